@@ -1,0 +1,235 @@
+"""Every option of a plait job: typed defaults, TOML files, command line, validation.
+
+One dataclass per TOML section. The same names work as `--section.key VALUE` on the command
+line and as `[section] key = value` in a TOML file; the command line wins. Validation that needs
+no process group (choices, degrees, batch arithmetic, files) runs on every rank before
+`init_process_group`, so a bad option fails everywhere at once instead of hanging a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import tyro
+
+Flavor = Literal["debug", "small", "llama3_8b", "llama3_70b", "llama3_405b"]
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad option: the message names the option and what is allowed."""
+
+
+@dataclass
+class Model:
+    flavor: Flavor = "debug"
+    """model size: debug (tiny), small (~90M, CPU benchmarks) or a real Llama 3 shape"""
+
+
+@dataclass
+class Training:
+    steps: int = 60
+    """optimizer steps to run"""
+    global_batch_size: int = 16
+    """sequences per optimizer step over all data-parallel ranks"""
+    micro_batch_size: int = 0
+    """sequences per forward per data-parallel rank; 0 = global / dp degree (no accumulation)"""
+    seq_len: int = 128
+    """tokens per sequence"""
+    lr: float = 2e-3
+    """peak learning rate (AdamW), reached after warmup, then cosine decay to lr/10"""
+    warmup_steps: int = 10
+    """linear warmup steps"""
+    max_norm: float = 1.0
+    """gradient clipping by global norm; 0 disables clipping (the norm is still logged)"""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms)"""
+    seed: int = 0
+    """seed for weight init and data order"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = CUDA+NCCL when present, else CPU+gloo"""
+    threads: int = 0
+    """CPU threads per rank; 0 = cores / local ranks (results depend on it: pin it to compare runs)"""
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """data-parallel replicas (DDP); with dp_shard > 1 this is HSDP"""
+    dp_shard: int = -1
+    """FSDP2 shard degree; -1 = whatever the world size leaves"""
+    tp: int = 1
+    """tensor-parallel degree"""
+    pp: int = 1
+    """pipeline-parallel degree"""
+
+
+@dataclass
+class Data:
+    path: str = ""
+    """a .txt/.jsonl/.parquet file, a folder of them, or a Hugging Face `datasets` folder; empty = bundled corpus"""
+    tokenizer: str = ""
+    """a tokenizer.json (e.g. Llama 3's); empty = a BPE trained once on the corpus and cached"""
+    vocab_size: int = 4096
+    """vocabulary of the trained BPE (ignored when data.tokenizer is given)"""
+    text_field: str = "text"
+    """column or JSON key that holds the text in .jsonl/.parquet/datasets inputs"""
+
+
+@dataclass
+class Metrics:
+    jsonl: str = ""
+    """rank 0 appends one JSON object per optimizer step to this file"""
+    tensorboard: str = ""
+    """write TensorBoard event files to this folder"""
+    log_interval: int = 5
+    """print a console line every N steps"""
+
+
+@dataclass
+class Comm:
+    timeout_seconds: int = 300
+    """collective timeout: a rank that stops answering makes the others fail after this"""
+
+
+@dataclass
+class Debug:
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) and deterministic cuDNN/cuBLAS settings"""
+
+
+@dataclass
+class JobConfig:
+    config: str = ""
+    """a named config (see plait/configs) or a TOML file; its values are the defaults, flags win"""
+    nproc: int = 1
+    """local convenience: launch this many processes through torchrun"""
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    data: Data = field(default_factory=Data)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)
+
+
+def _sections(cls=JobConfig) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config: file {name_or_path!r} not found")
+        return path
+    named = CONFIG_DIR / f"{name_or_path}.toml"
+    if not named.is_file():
+        allowed = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise ConfigError(f"config: {name_or_path!r} is neither a TOML file nor a named config {allowed}")
+    return named
+
+
+def toml_to_args(path: Path) -> list[str]:
+    """Turn a TOML file into `--section.key value` flags so one parser validates both sources."""
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
+    sections = _sections()
+    args: list[str] = []
+    for section, values in table.items():
+        if section not in sections or not isinstance(values, dict):
+            raise ConfigError(f"config {path}: unknown section [{section}]; allowed: {sorted(sections)}")
+        keys = {f.name: f for f in dataclasses.fields(sections[section])}
+        for key, value in values.items():
+            if key not in keys:
+                raise ConfigError(f"config {path}: unknown option {section}.{key}; allowed: {sorted(keys)}")
+            flag = f"--{section}.{key}"
+            if isinstance(value, bool):
+                args.append(flag if value else f"--{section}.no_{key}")
+            else:
+                args += [flag, str(value)]
+    return args
+
+
+def parse_args(argv: list[str], prog: str = "plait train") -> JobConfig:
+    """Parse a train-style command line: `--config` first supplies defaults, then the flags."""
+    config_args: list[str] = []
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[1] if arg.startswith("--config=") else (argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+        if name is not None:
+            config_args = toml_to_args(resolve_config_path(name))
+    return tyro.cli(JobConfig, args=config_args + argv, prog=prog, use_underscores=True)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def dp_degree(cfg: JobConfig) -> int:
+    return cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
+
+
+def validate(cfg: JobConfig, world: int) -> JobConfig:
+    """Check everything that can be checked without a process group; fill in derived defaults.
+
+    Runs identically on every rank, so every rank raises the same error before any collective.
+    """
+    p, t = cfg.parallelism, cfg.training
+    for name in ("dp_replicate", "tp", "pp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
+    if p.tp > 1:
+        raise ConfigError("parallelism.tp: tensor parallelism is not available yet; allowed: 1")
+    if p.pp > 1:
+        raise ConfigError("parallelism.pp: pipeline parallelism is not available yet; allowed: 1")
+    others = p.dp_replicate * p.tp * p.pp
+    if p.dp_shard == -1:
+        if world % others:
+            raise ConfigError(f"parallelism: dp_replicate*tp*pp = {others} does not divide the world size {world}")
+        p.dp_shard = world // others
+    elif p.dp_shard < 1:
+        raise ConfigError(f"parallelism.dp_shard: must be -1 or >= 1, got {p.dp_shard}")
+    if others * p.dp_shard != world:
+        raise ConfigError(
+            f"parallelism: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x tp({p.tp}) x pp({p.pp})"
+            f" = {others * p.dp_shard} must equal the world size {world}")
+    for name in ("steps", "global_batch_size", "seq_len"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"training.{name}: must be >= 1, got {getattr(t, name)}")
+    if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0:
+        raise ConfigError("training: lr must be > 0; warmup_steps, max_norm and threads must be >= 0")
+    dp = dp_degree(cfg)
+    if t.micro_batch_size == 0:
+        if t.global_batch_size % dp:
+            raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not divisible by the dp degree {dp}")
+        t.micro_batch_size = t.global_batch_size // dp
+    if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"training.global_batch_size: {t.global_batch_size} must be a multiple of micro_batch_size"
+            f" ({t.micro_batch_size}) x dp degree ({dp})")
+    if cfg.metrics.log_interval < 1 or cfg.comm.timeout_seconds < 1:
+        raise ConfigError("metrics.log_interval and comm.timeout_seconds: must be >= 1")
+    for name in ("path", "tokenizer"):
+        value = getattr(cfg.data, name)
+        if value and not Path(value).exists():
+            raise ConfigError(f"data.{name}: {value!r} does not exist")
+    if cfg.training.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("training.device: cuda was asked for but no CUDA device is available; allowed: auto, cpu")
+    return cfg
+
+
+def grad_accumulation_steps(cfg: JobConfig) -> int:
+    t = cfg.training
+    return t.global_batch_size // (t.micro_batch_size * dp_degree(cfg))

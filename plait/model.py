@@ -1,0 +1,214 @@
+"""Llama 3 in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+No parallelism lives here; plait/parallel applies it from outside. Parameter names follow
+Meta's reference (tok_embeddings, layers.N.attention.wq, ..., output) so plans and checkpoints
+can address them, and RoPE rotates interleaved pairs as Meta's reference does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int  # 0 = take it from the tokenizer
+    multiple_of: int = 256  # FFN hidden size is rounded up to this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+FLAVORS = {
+    "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
+    "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
+    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
+    "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0),
+    "llama3_405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=4096, ffn_dim_multiplier=1.2, rope_theta=500000.0),
+}
+
+
+def model_args(flavor: str, tokenizer_vocab: int) -> ModelArgs:
+    """The flavor's shape with its vocabulary settled against the tokenizer's."""
+    args = FLAVORS[flavor]
+    if args.vocab_size == 0:
+        # Round up so the embedding splits evenly under tensor parallelism.
+        return replace(args, vocab_size=64 * math.ceil(tokenizer_vocab / 64))
+    if tokenizer_vocab > args.vocab_size:
+        raise ValueError(f"model.flavor: {flavor} has {args.vocab_size} embeddings but the tokenizer has "
+                         f"{tokenizer_vocab} tokens; use a smaller tokenizer or the debug/small flavor")
+    return args
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """cos/sin of every (position, pair) as a [max_seq_len, head_dim/2, 2] float32 table."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1) of x [batch, seq, heads, head_dim] by their position's angle."""
+    pairs = x.unflatten(-1, (-1, 2))
+    cos, sin = table[: x.shape[1], None, :, 0], table[: x.shape[1], None, :, 1]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of the head counts: under tensor parallelism each rank holds a slice of heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        repeats = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keeps FQNs stable ("layers.3") when pipeline stages drop some layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the RoPE table: after `to_empty` a non-persistent buffer holds garbage."""
+        device = self.tok_embeddings.weight.device
+        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta).to(device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            x = layer(x, self.rope)
+        return self.output(self.norm(x))
+
+    def init_std(self, name: str) -> float | None:
+        """Init scale of parameter `name`: None = ones (norms), else a truncated normal's std.
+
+        Residual-branch outputs (wo, w2) shrink with depth as in torchtitan, so the residual
+        stream keeps its scale at init however deep the model is.
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name == "tok_embeddings.weight":
+            return 1.0
+        if name == "output.weight":
+            return self.args.dim ** -0.5
+        if name.endswith(("wo.weight", "w2.weight")):
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
+        return 0.02
+
+
+def initial_value(model: Transformer, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The full fp32 initial value of one parameter, from (seed, name) alone, on the CPU.
+
+    Keying the random stream on the name makes the init independent of layout, rank count
+    and construction order: every layout slices its shard out of the same full tensor.
+    """
+    std = model.init_std(name)
+    if std is None:
+        return torch.ones(shape)
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+    value = torch.empty(shape)
+    return nn.init.trunc_normal_(value, std=std, a=-3 * std, b=3 * std, generator=torch.Generator().manual_seed(key))
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in float32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        total -= model.tok_embeddings.weight.numel()
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per non-embedding parameter plus attention scores.
+
+    Attention counts the full (not causal) seq x seq products, 12 * layers * dim * seq, the
+    convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs.
+    """
+    with torch.device("meta"):
+        n = num_params(Transformer(args), exclude_embedding=True)
+    return 6 * n + 12 * args.n_layers * args.dim * seq_len

@@ -1,0 +1,43 @@
+"""Parallelism applied from outside the model: one module per technique, one mesh for all.
+
+`build_mesh` turns validated degrees into one named DeviceMesh; `parallelize` applies each
+technique's plan to a model built on the meta device, so no rank materialises what it does
+not own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from plait.config import JobConfig
+from plait.parallel.data_parallel import apply_data_parallel
+
+MESH_DIMS = ("dp_replicate", "dp_shard")
+
+
+def build_mesh(cfg: JobConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The job's mesh with every dimension named (size-1 ones included, so every layout
+    addresses the same names), and its flattened data-parallel view: the ranks that read
+    different data, over which the loader splits batches and the loss is averaged."""
+    p = cfg.parallelism
+    mesh = init_device_mesh(device_type, (p.dp_replicate, p.dp_shard), mesh_dim_names=MESH_DIMS)
+    return mesh, mesh[MESH_DIMS]._flatten("dp")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
+    return apply_data_parallel(model, mesh, cfg)
+
+
+def describe(mesh: DeviceMesh) -> str:
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    if sizes["dp_replicate"] > 1 and sizes["dp_shard"] > 1:
+        layout = "HSDP"
+    elif sizes["dp_replicate"] > 1:
+        layout = "DDP"
+    elif sizes["dp_shard"] > 1:
+        layout = "FSDP2"
+    else:
+        layout = "single device"
+    return f"{layout} on mesh {sizes} ({mesh.device_type}, {torch.distributed.get_backend()})"

@@ -1,0 +1,172 @@
+"""The training job: set-up in a safe order, then the step loop.
+
+Order matters for failure behaviour: options, data and tokenizer are checked before the
+process group exists, so bad input fails on every rank without a collective that could hang.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from plait import parallel
+from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
+from plait.data import BatchLoader, tokenize_corpus
+from plait.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from plait.model import Transformer, cross_entropy, flops_per_token, model_args, num_params
+from plait.weights import init_weights
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (a non-finite loss or gradient); weights were not updated."""
+
+
+def pick_device(cfg: JobConfig) -> torch.device:
+    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: JobConfig, device: torch.device) -> None:
+    """One process group for every run, world size 1 included, so every layout runs the same code."""
+    timeout = timedelta(seconds=cfg.comm.timeout_seconds)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def set_threads(cfg: JobConfig) -> None:
+    """Split the cores between local ranks: oversubscribed ranks slow each other down, and the
+    thread count changes floating-point summation order, so it is pinned per run."""
+    threads = cfg.training.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+
+
+def lr_lambda(cfg: JobConfig):
+    """Linear warmup to the peak, then cosine decay to a tenth of it at the last step."""
+    warmup, steps = cfg.training.warmup_steps, cfg.training.steps
+
+    def factor(done: int) -> float:
+        step = done + 1
+        if step <= warmup:
+            return step / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
+    t = cfg.training
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm over all shards (clipping to max_norm unless it is 0)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"), foreach=True)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def run(cfg: JobConfig) -> list[dict]:
+    """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
+    validate(cfg, world_size())
+    set_threads(cfg)
+    if cfg.debug.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    tokens, tokenizer = tokenize_corpus(cfg.data)
+    try:
+        args = model_args(cfg.model.flavor, tokenizer.get_vocab_size())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
+
+    device = pick_device(cfg)
+    init_distributed(cfg, device)
+    try:
+        return _train(cfg, args, tokens, device)
+    finally:
+        # A barrier before tearing down avoids gloo aborting at exit while a peer still talks.
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
+    t = cfg.training
+    rank = dist.get_rank()
+    mesh, dp_mesh = parallel.build_mesh(cfg, device.type)
+    loader = BatchLoader(tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
+                         dp_mesh.get_local_rank(), dp_mesh.size(), t.seed)
+
+    # Built on the meta device: large flavors never exist unsharded on any rank.
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = parallel.parallelize(model, mesh, cfg)
+    model.to_empty(device=device)
+    init_weights(model, t.seed)
+    optimizer, scheduler = build_optimizer(model, cfg)
+
+    accum = grad_accumulation_steps(cfg)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    flops = flops_per_token(args, t.seq_len)
+    peak, peak_source = peak_flops(device, torch.float32)
+    logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval) if rank == 0 else None
+    if rank == 0:
+        print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor}: {num_params(model) / 1e6:.1f}M params, "
+              f"vocab {args.vocab_size} | {loader.num_sequences} sequences of {t.seq_len} tokens | "
+              f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
+              f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
+
+    rows = []
+    for step in range(1, t.steps + 1):
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        batches = loader.next_batches()
+        for i, (inputs, labels) in enumerate(batches):
+            # Reduce gradients once per step, after the last micro-batch, not after each one.
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            loss = cross_entropy(model(inputs.to(device)), labels.to(device))
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+        loss_value = loss_sum.item() / (accum * dp_mesh.size())
+        grad_norm = clip_and_norm(model, t.max_norm)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
+                                f"stopped before the optimizer step, weights are from step {step - 1}")
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if logger:
+            tokens_per_sec = tokens_per_step / elapsed
+            row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                   "tokens_per_sec": tokens_per_sec, "mfu": flops * tokens_per_sec / (peak * dist.get_world_size()),
+                   "memory_gib": peak_memory_gib(device), "step_time": elapsed}
+            logger.log(row)
+            rows.append(row)
+    if logger:
+        logger.close()
+    return rows

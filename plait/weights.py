@@ -1,0 +1,34 @@
+"""Initial weights that are bitwise the same in every layout.
+
+Each parameter's full value comes from (seed, parameter name) alone (`model.initial_value`);
+a rank that holds a shard (a DTensor) cuts its piece out of that full value locally. No
+random stream is shared between ranks and no collective runs, so the result cannot depend on
+the mesh. (Initialising DTensors directly with torch's RNG on CPU would not work: there is no
+DTensor RNG tracker there, so every rank would draw the same numbers for different shards.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from plait.model import Transformer, initial_value
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Fill every parameter of a model already placed on its device (after `to_empty`)."""
+    for name, param in model.named_parameters():
+        full = initial_value(model, _plain_name(name), param.shape, seed).to(param.dtype)
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank has `full`, so slicing needs no communication.
+            piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(piece.to_local())
+        else:
+            param.copy_(full)
+    model.reset_buffers()
+
+
+def _plain_name(name: str) -> str:
+    """The unwrapped model's name of a parameter (wrappers such as torch.compile add prefixes)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")

@@ -1,0 +1,270 @@
+import json
+import hashlib
+import multiprocessing
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from plait import data
+from plait.config import ConfigError, Data
+from plait.data import BatchLoader, build_tokenizer, eos_id, load_texts, tokenize_corpus
+
+DOCS = ["first document\nwith two lines", "second one: héllo wörld ✓", "third " * 50]
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("plait_cache")
+
+
+@pytest.fixture(scope="session")
+def bundled(shared_cache):
+    """The bundled corpus tokenized once with a small vocabulary (fast)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLAIT_CACHE", str(shared_cache))
+        return tokenize_corpus(Data(vocab_size=512))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def write_corpus(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.txt").write_text(DOCS[0])
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS[1:])))
+    return folder
+
+
+# ---- documents
+
+def test_bundled_corpus_is_nontrivial_and_deterministic():
+    texts = load_texts("", "text")
+    assert len(texts) > 20 and sum(map(len, texts)) > 100_000
+    assert texts == load_texts("", "text")
+
+
+def test_txt_jsonl_folder(tmp_path):
+    folder = write_corpus(tmp_path / "corpus")
+    assert load_texts(str(folder / "a.txt"), "text") == DOCS[:1]
+    assert load_texts(str(folder / "b.jsonl"), "text") == DOCS[1:]
+    (folder / "sub").mkdir()
+    (folder / "sub" / "c.txt").write_text("nested")
+    (folder / "README.md").write_text("ignored")
+    assert load_texts(str(folder), "text") == DOCS + ["nested"]  # sorted paths: a, b, sub/c
+
+
+def test_parquet(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"content": DOCS}), tmp_path / "d.parquet")
+    assert load_texts(str(tmp_path / "d.parquet"), "content") == DOCS
+    with pytest.raises(ConfigError, match="data.text_field"):
+        load_texts(str(tmp_path / "d.parquet"), "text")
+
+
+@pytest.mark.parametrize("name, field, option", [
+    ("missing.txt", "text", "data.path"),
+    ("corpus/b.jsonl", "body", "data.text_field"),
+    ("x.csv", "text", "data.path"),  # unsupported extension
+    ("empty.txt", "text", "data.path"),  # no text
+    ("no_files", "text", "data.path"),  # folder without corpus files
+])
+def test_bad_inputs_name_the_option(tmp_path, name, field, option):
+    write_corpus(tmp_path / "corpus")
+    (tmp_path / "x.csv").write_text("a,b")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "no_files").mkdir()
+    with pytest.raises(ConfigError, match=f"^{option}: "):
+        load_texts(str(tmp_path / name), field)
+
+
+def test_datasets_folder_without_datasets(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    (tmp_path / "dataset_info.json").write_text("{}")
+    with pytest.raises(ConfigError, match="^data.path: .*datasets"):
+        load_texts(str(tmp_path), "text")
+
+
+def test_datasets_folder_uses_train_split(tmp_path, monkeypatch):
+    class DatasetDict(dict):
+        pass
+
+    class Dataset:
+        def __init__(self, texts):
+            self.column_names, self.texts = ["text"], texts
+
+        def __getitem__(self, column):
+            return self.texts
+
+    splits = DatasetDict(test=Dataset(["t"]), train=Dataset(["a", None, "b"]))
+    fake = types.SimpleNamespace(DatasetDict=DatasetDict, load_from_disk=lambda path: splits)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    (tmp_path / "dataset_dict.json").write_text("{}")
+    assert load_texts(str(tmp_path), "text") == ["a", "b"]
+    with pytest.raises(ConfigError, match="^data.text_field: "):
+        load_texts(str(tmp_path), "body")
+
+
+def test_fingerprint_depends_on_document_boundaries():
+    assert data.corpus_fingerprint(["ab", "c"]) != data.corpus_fingerprint(["a", "bc"])
+    assert data.corpus_fingerprint(DOCS) == data.corpus_fingerprint(list(DOCS))
+
+
+# ---- tokenizer
+
+def test_tokenizer_deterministic_and_cached(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = Data(path=str(corpus), vocab_size=300)
+    files = []
+    for name in ("c1", "c2"):
+        monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / name))
+        build_tokenizer(cfg)
+        files += list((tmp_path / name).glob("tokenizer-*.json"))
+    assert len(files) == 2 and files[0].read_bytes() == files[1].read_bytes()
+
+    def no_training(*args):
+        raise AssertionError("trained again instead of loading the cache")
+    monkeypatch.setattr(data, "_train_bpe", no_training)
+    assert build_tokenizer(cfg).to_str() == Tokenizer.from_file(str(files[1])).to_str()
+    assert not list((tmp_path / "c2").glob("*.tmp"))
+
+
+def test_round_trip_and_eos(bundled):
+    tokens, tokenizer = bundled
+    text = "def f(x):\n    return x ** 2  # héllo ✓ 🙂\n"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+    eos = eos_id(tokenizer)
+    assert tokenizer.id_to_token(eos) == "<|eos|>"
+    assert tokens.dtype == np.uint32 and tokens[-1] == eos
+    assert (tokens == eos).sum() == len(load_texts("", "text"))  # one EOS per document
+    assert tokenizer.get_vocab_size() == 512
+
+
+def test_tokens_cached(bundled, shared_cache, monkeypatch):
+    monkeypatch.setenv("PLAIT_CACHE", str(shared_cache))
+    monkeypatch.setattr(data, "_encode", lambda *a: pytest.fail("encoded again instead of loading the cache"))
+    tokens, _ = tokenize_corpus(Data(vocab_size=512))
+    assert np.array_equal(tokens, bundled[0])
+
+
+def test_foreign_tokenizer(tmp_path, cache):
+    path = cache / f"tokenizer-{data.corpus_fingerprint(DOCS)[:16]}-300.json"
+    data._train_bpe(DOCS, 300).save(str(tmp_path / "tok.json"))
+    cfg = Data(path=str(write_corpus(tmp_path / "corpus")), tokenizer=str(tmp_path / "tok.json"))
+    tokens, tokenizer = tokenize_corpus(cfg)
+    assert not path.exists()  # nothing trained
+    eos = eos_id(tokenizer)
+    docs = np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]  # each ends with its EOS
+    assert [tokenizer.decode(d[:-1].tolist()) for d in docs] == DOCS
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="^data.tokenizer: "):
+        build_tokenizer(Data(tokenizer=str(tmp_path / "bad.json")))
+
+
+def _tokens_sha(cfg: Data) -> str:
+    return hashlib.sha256(tokenize_corpus(cfg)[0].tobytes()).hexdigest()
+
+
+def test_concurrent_ranks_train_once(tmp_path, cache):
+    """Three processes with no process group race for the same cache entries: all get the same tokens."""
+    cfg = Data(path=str(write_corpus(tmp_path / "corpus")), vocab_size=300)
+    with multiprocessing.get_context("fork").Pool(3) as pool:  # fork: no torch re-import, fast
+        assert len(set(pool.map(_tokens_sha, [cfg] * 3))) == 1
+    assert len(list(cache.glob("tokens-*.npy"))) == 1 and not list(cache.glob("*.tmp"))
+
+
+# ---- batches
+
+SEQ = 4
+
+
+def ramp(num_sequences: int) -> np.ndarray:
+    """Token t = t, so a sequence's id is inputs[0] // SEQ."""
+    return np.arange(num_sequences * SEQ + 1, dtype=np.uint32)
+
+
+def ids(batches) -> list[int]:
+    return [int(i) for inputs, _ in batches for i in inputs[:, 0] // SEQ]
+
+
+def loader(n=10, global_batch=4, micro=2, rank=0, dp=1, seed=0):
+    return BatchLoader(ramp(n), SEQ, global_batch, micro, rank, dp, seed)
+
+
+def test_shapes_and_labels():
+    batches = loader().next_batches()
+    assert len(batches) == 2
+    for inputs, labels in batches:
+        assert inputs.shape == labels.shape == (2, SEQ) and inputs.dtype == labels.dtype == torch.int64
+        assert torch.equal(labels, inputs + 1)  # labels are the inputs shifted by one token
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_dp_shares_partition_the_global_batch(dp):
+    reference = loader(n=13, global_batch=8, micro=8)
+    ranks = [loader(n=13, global_batch=8, micro=2 if dp < 4 else 1, rank=r, dp=dp) for r in range(dp)]
+    for step in range(5):  # 40 sequences over 13: crosses three epoch boundaries
+        shares = [ids(r.next_batches()) for r in ranks]
+        assert sum(shares, []) == ids(reference.next_batches())
+        if step * 8 // 13 == (step * 8 + 7) // 13:  # a step inside one epoch has no repeats
+            assert len(set(sum(shares, []))) == 8
+
+
+def test_micro_batch_split():
+    whole, split = loader(micro=4).next_batches(), loader(micro=2).next_batches()
+    assert len(whole) == 1 and len(split) == 2
+    assert torch.equal(whole[0][0], torch.cat([split[0][0], split[1][0]]))
+
+
+def test_epochs_are_fresh_permutations():
+    n = 8
+    l = loader(n=n, global_batch=6, micro=6)  # 6 does not divide 8: steps straddle epochs
+    stream = sum((ids(l.next_batches()) for _ in range(4)), [])  # 24 positions = 3 epochs
+    epochs = [stream[i * n:(i + 1) * n] for i in range(3)]
+    assert all(sorted(e) == list(range(n)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[1] == np.random.default_rng([0, 1]).permutation(n).tolist()
+
+
+def test_resume_equals_uninterrupted():
+    straight = loader(n=7, seed=3)
+    expected = [ids(straight.next_batches()) for _ in range(6)]
+    first = loader(n=7, seed=3)
+    got = [ids(first.next_batches()) for _ in range(2)]
+    state = first.state_dict()
+    assert state["step"] == 2
+    resumed = loader(n=7, seed=3, micro=4)  # a different micro-batch size resumes too
+    resumed.load_state_dict(state)
+    got += [ids(resumed.next_batches()) for _ in range(4)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("change, option", [
+    (dict(seed=1), "training.seed"), (dict(global_batch=6), "training.global_batch_size"), (dict(n=11), "data.path")])
+def test_mismatched_state_raises(change, option):
+    state = loader().state_dict()
+    with pytest.raises(ConfigError, match=f"^{option}: "):
+        loader(**change).load_state_dict(state)
+    other_seq = BatchLoader(ramp(10), SEQ + 1, 4, 2, 0, 1, 0)
+    with pytest.raises(ConfigError, match="^training.seq_len: "):
+        other_seq.load_state_dict(state)
+
+
+def test_too_few_sequences():
+    with pytest.raises(ConfigError, match="^data.path: .*training.global_batch_size=8"):
+        loader(n=7, global_batch=8)
+
+
+def test_bundled_batches(bundled):
+    tokens, _ = bundled
+    l = BatchLoader(tokens, 128, 8, 4, 0, 1, 0)
+    assert l.num_sequences == (len(tokens) - 1) // 128
+    (inputs, labels), _ = l.next_batches()
+    assert inputs.max() < 512 and torch.equal(inputs[:, 1:], labels[:, :-1])

@@ -1,0 +1,43 @@
+"""Every layout starts from weights bitwise equal to the single-process init (meta-device build)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from plait.config import parse_args, validate
+from plait.model import Transformer, model_args
+from plait.weights import init_weights
+
+pytestmark = pytest.mark.slow
+
+
+def _check_layout(rank, world, store_path, dims, reference):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from plait import parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        cfg = validate(parse_args(["--parallelism.dp_replicate", str(dims[0]), "--parallelism.dp_shard", str(dims[1])]), world)
+        mesh, _ = parallel.build_mesh(cfg, "cpu")
+        with torch.device("meta"):
+            model = Transformer(model_args("debug", 500))
+        parallel.parallelize(model, mesh, cfg)
+        model.to_empty(device="cpu")
+        init_weights(model, seed=7)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        for name, value in reference.items():
+            assert torch.equal(full[name], value), f"{dims} rank {rank}: {name} differs from the single-process init"
+        assert torch.equal(model.rope, Transformer(model_args("debug", 500)).rope)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, dims", [(2, (1, 2)), (2, (2, 1)), (4, (2, 2))])
+def test_sharded_init_equals_single_process_init(tmp_path, world, dims):
+    reference_model = Transformer(model_args("debug", 500))
+    init_weights(reference_model, seed=7)
+    reference = reference_model.state_dict()
+    mp.spawn(_check_layout, args=(world, str(tmp_path / "store"), dims, reference), nprocs=world)

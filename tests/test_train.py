@@ -1,0 +1,92 @@
+"""End-to-end behaviour of `plait train`: metrics, reproducibility, and failing loudly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, losses, run_plait
+
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "memory_gib"}
+
+
+def test_metrics_rows_tensorboard_and_reproducibility(tmp_path):
+    args = ["--training.steps", "12", "--debug.deterministic", "--metrics.tensorboard", str(tmp_path / "tb")]
+    first, proc = run_plait(tmp_path, *args)
+    second, _ = run_plait(tmp_path, *args)
+    assert [row["step"] for row in first] == list(range(1, 13))
+    assert REQUIRED <= set(first[0])
+    assert all(row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1 and row["memory_gib"] > 0 for row in first)
+    assert losses(first) == losses(second), "two identical runs must be bitwise identical"
+    assert losses(first)[-1] < losses(first)[0] - 0.3, "the loss must fall"
+    warmup_lrs = [row["lr"] for row in first[:2]]
+    assert warmup_lrs[0] < warmup_lrs[1]  # linear warmup
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert "single device" in proc.stdout and "step     1" in proc.stdout
+
+
+def test_nan_loss_stops_with_the_step_and_no_update(tmp_path):
+    rows, proc = run_plait(tmp_path, "--training.steps", "30", "--training.lr", "1e12", "--training.warmup_steps", "0",
+                           "--training.max_norm", "0", check=False)
+    assert proc.returncode == 1
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("plait: error: step ") and "not finite" in message
+    failed_step = int(message.split("step ")[1].split(":")[0])
+    assert [row["step"] for row in rows] == list(range(1, failed_step))
+
+
+def test_missing_data_file_fails_before_training(tmp_path):
+    rows, proc = run_plait(tmp_path, "--data.path", str(tmp_path / "missing.txt"), check=False)
+    assert proc.returncode == 2 and rows == []
+    assert proc.stderr.strip().splitlines()[-1].startswith("plait: error: data.path:")
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below `pid`, from /proc (torchrun's workers are grandchildren)."""
+    children = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                ppid = int(open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(stat))
+    stack, found = [pid], []
+    while stack:
+        kids = children.get(stack.pop(), [])
+        found += kids
+        stack += kids
+    return sorted(found)
+
+
+def environ(pid: int) -> str:
+    try:
+        return "\0" + open(f"/proc/{pid}/environ").read()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
+    """kill -9 one rank mid-run: torchrun tears the job down and reports failure."""
+    command = [sys.executable, "-m", "plait", "train", "--nproc", "2", *TINY, "--training.steps", "100000",
+               "--metrics.log_interval", "1", "--comm.timeout_seconds", "30"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step     3"):
+                break
+        workers = [pid for pid in descendants(proc.pid) if "\0RANK=" in environ(pid)]
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        start = time.monotonic()
+        assert proc.wait(timeout=90) != 0
+        print(f"job ended {time.monotonic() - start:.1f}s after the kill")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
