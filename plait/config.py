@@ -56,6 +56,12 @@ class Training:
     """auto = CUDA+NCCL when present, else CPU+gloo"""
     threads: int = 0
     """CPU threads per rank; 0 = cores / local ranks (results depend on it: pin it to compare runs)"""
+    mixed_precision_param: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """compute dtype of matmuls (float16 is refused: it would need loss scaling)"""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """dtype gradients travel and are reduced in"""
+    mixed_precision_mode: Literal["param", "autocast"] = "param"
+    """param: parameters cast at module boundaries (FSDP2 policy); autocast: op-level torch.autocast in forward"""
 
 
 @dataclass
@@ -68,6 +74,8 @@ class Parallelism:
     """tensor-parallel degree"""
     pp: int = 1
     """pipeline-parallel degree"""
+    dp_backend: Literal["fsdp2", "ddp"] = "fsdp2"
+    """fsdp2: fully_shard on the (dp_replicate, dp_shard) mesh for every dp layout; ddp: classic DistributedDataParallel"""
 
 
 @dataclass
@@ -99,9 +107,19 @@ class Comm:
 
 
 @dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (inductor)"""
+    autograd: bool = False
+    """compiled autograd for backward (dp_backend ddp only: it silently breaks FSDP2)"""
+
+
+@dataclass
 class Debug:
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) and deterministic cuDNN/cuBLAS settings"""
+    dtype_probe: str = ""
+    """write the dtypes of step 1's matmuls and collectives, by phase, to this JSON file"""
 
 
 @dataclass
@@ -116,6 +134,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
+    compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
 
 
@@ -202,6 +221,15 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(
             f"parallelism: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x tp({p.tp}) x pp({p.pp})"
             f" = {others * p.dp_shard} must equal the world size {world}")
+    if p.dp_backend == "ddp" and p.dp_shard != 1:
+        raise ConfigError(f"parallelism.dp_backend: ddp replicates, it cannot shard (dp_shard={p.dp_shard}); "
+                          "use dp_replicate alone, or dp_backend fsdp2 for FSDP2/HSDP")
+    if cfg.compile.autograd and p.dp_backend != "ddp":
+        raise ConfigError("compile.autograd: compiled autograd silently stops FSDP2's gradient reduction after step 0 "
+                          "(torch 2.13); allowed only with --parallelism.dp_backend ddp")
+    from plait.precision import resolve
+
+    resolve(cfg)
     for name in ("steps", "global_batch_size", "seq_len"):
         if getattr(t, name) < 1:
             raise ConfigError(f"training.{name}: must be >= 1, got {getattr(t, name)}")

@@ -6,6 +6,7 @@ process group exists, so bad input fails on every rank without a collective that
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -18,8 +19,9 @@ from plait import parallel
 from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
 from plait.data import BatchLoader, tokenize_corpus
 from plait.metrics import MetricsLogger, peak_flops, peak_memory_gib
-from plait.model import Transformer, cross_entropy, flops_per_token, model_args, num_params
-from plait.weights import init_weights
+from plait.model import cross_entropy, flops_per_token, model_args, num_params
+from plait.precision import TrainContexts, resolve
+from plait.probe import DtypeProbe
 
 
 class TrainingError(RuntimeError):
@@ -117,46 +119,49 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
     loader = BatchLoader(tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
                          dp_mesh.get_local_rank(), dp_mesh.size(), t.seed)
 
-    # Built on the meta device: large flavors never exist unsharded on any rank.
-    with torch.device("meta"):
-        model = Transformer(args)
-    model = parallel.parallelize(model, mesh, cfg)
-    model.to_empty(device=device)
-    init_weights(model, t.seed)
+    precision = resolve(cfg)
+    contexts = TrainContexts(precision, device.type, cfg.compile.autograd)
+    model = parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
 
     accum = grad_accumulation_steps(cfg)
     tokens_per_step = t.global_batch_size * t.seq_len
     flops = flops_per_token(args, t.seq_len)
-    peak, peak_source = peak_flops(device, torch.float32)
+    peak, peak_source = peak_flops(device, precision.compute)
     logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval) if rank == 0 else None
     if rank == 0:
         print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor}: {num_params(model) / 1e6:.1f}M params, "
               f"vocab {args.vocab_size} | {loader.num_sequences} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
-              f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
+              f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})\nplait: {precision.describe()}", flush=True)
 
     rows = []
     for step in range(1, t.steps + 1):
         start = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        batches = loader.next_batches()
-        for i, (inputs, labels) in enumerate(batches):
-            # Reduce gradients once per step, after the last micro-batch, not after each one.
-            model.set_requires_gradient_sync(i == len(batches) - 1)
-            loss = cross_entropy(model(inputs.to(device)), labels.to(device))
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-        dist.all_reduce(loss_sum, group=dp_mesh.get_group())
-        loss_value = loss_sum.item() / (accum * dp_mesh.size())
-        grad_norm = clip_and_norm(model, t.max_norm)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
-                                f"stopped before the optimizer step, weights are from step {step - 1}")
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        probe = DtypeProbe(contexts) if step == 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
+        with probe:
+            loss_sum = torch.zeros((), device=device)
+            batches = loader.next_batches()
+            for i, (inputs, labels) in enumerate(batches):
+                with contexts.forward():
+                    loss = cross_entropy(model(inputs.to(device)), labels.to(device))
+                # Reduce gradients once per step, after the last micro-batch, not after each one.
+                with contexts.backward(), parallel.gradient_sync(model, i == len(batches) - 1):
+                    (loss / accum).backward()
+                loss_sum += loss.detach()
+            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+            loss_value = loss_sum.item() / (accum * dp_mesh.size())
+            grad_norm = clip_and_norm(model, t.max_norm)
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
+                                    f"stopped before the optimizer step, weights are from step {step - 1}")
+            lr = scheduler.get_last_lr()[0]
+            with contexts.optimizer():
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        if isinstance(probe, DtypeProbe) and rank == 0:
+            probe.save(cfg.debug.dtype_probe)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start

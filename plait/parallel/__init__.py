@@ -1,18 +1,24 @@
 """Parallelism applied from outside the model: one module per technique, one mesh for all.
 
-`build_mesh` turns validated degrees into one named DeviceMesh; `parallelize` applies each
-technique's plan to a model built on the meta device, so no rank materialises what it does
-not own.
+`build_mesh` turns validated degrees into one named DeviceMesh; `build_model` builds the model
+on the meta device, applies each technique's plan, then materialises and initialises only
+what each rank owns.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.config import JobConfig
-from plait.parallel.data_parallel import apply_data_parallel
+from plait.model import ModelArgs, Transformer
+from plait.parallel.data_parallel import apply_fsdp
+from plait.parallel.ddp import apply_ddp
+from plait.precision import Precision
+from plait.weights import init_weights
 
 MESH_DIMS = ("dp_replicate", "dp_shard")
 
@@ -26,8 +32,33 @@ def build_mesh(cfg: JobConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh
     return mesh, mesh[MESH_DIMS]._flatten("dp")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
-    return apply_data_parallel(model, mesh, cfg)
+def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Precision,
+                device: torch.device) -> nn.Module:
+    """The model, parallelised, on `device`, holding the layout-independent initial weights."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if cfg.compile.enable:
+        # Compile each block's forward in place: FQNs stay those of the plain model, and the
+        # hooks that sharding adds around the module call stay outside the compiled graph.
+        for block in model.layers.values():
+            block.forward = torch.compile(block.forward, fullgraph=True)
+    if cfg.parallelism.dp_backend == "ddp":
+        # DistributedDataParallel needs real parameters to wrap: it replicates them anyway.
+        model.to_empty(device=device)
+        init_weights(model, cfg.training.seed)
+        return apply_ddp(model, mesh["dp_replicate"], precision, cfg.compile.autograd)
+    apply_fsdp(model, mesh["dp_replicate", "dp_shard"], precision)
+    model.to_empty(device=device)
+    init_weights(model, cfg.training.seed)
+    return model
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Context for one micro-batch's backward: reduce gradients only when `enabled` (the last)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
 
 
 def describe(mesh: DeviceMesh) -> str:

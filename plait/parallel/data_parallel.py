@@ -3,21 +3,20 @@
 One mechanism covers every data-parallel layout: shard degree 1 is DDP (all-reduce only),
 replicate degree 1 is FSDP (all-gather + reduce-scatter), both is HSDP, and (1, 1) is a single
 device. Applying it everywhere, single device included, means mixed precision and gradient
-reduction are decided by one policy instead of differing per layout.
+reduction follow one policy instead of differing per layout.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
-from plait.config import JobConfig
+from plait.precision import Precision
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
-    dp_mesh = mesh["dp_replicate", "dp_shard"]
-    policy = MixedPrecisionPolicy()
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision) -> nn.Module:
+    policy = precision.fsdp_policy()
     # Each block is its own unit so only one block's full parameters exist at a time. The last
     # block is not resharded after forward: backward needs it immediately.
     blocks = list(model.layers.values())

@@ -1,0 +1,113 @@
+"""Mixed precision, decided in one place from one table, for every layout.
+
+The precision a user asks for is the precision every layout runs, or the run refuses to start
+and says which combination works instead. Nothing falls back silently (the bug this module
+exists for: a trainer whose bf16 setting only reached FSDP runs, so DDP trained in fp32).
+
+| dp_backend | mode     | parameters cast by                         | gradients reduced by                  |
+|------------|----------|--------------------------------------------|---------------------------------------|
+| fsdp2      | param    | fully_shard MixedPrecisionPolicy(param)    | fully_shard reduce_dtype              |
+| fsdp2      | autocast | torch.autocast around forward + loss       | fully_shard reduce_dtype              |
+| ddp        | param    | refused: DDP cannot cast at module borders | -                                     |
+| ddp        | autocast | torch.autocast around forward + loss       | all-reduce (+ bf16 compression hook)  |
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from plait.config import ConfigError, JobConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype  # dtype of matmuls
+    reduce: torch.dtype  # dtype gradients travel and are reduced in
+    mode: str  # "param" or "autocast"
+    backend: str  # data-parallel implementation
+
+    @property
+    def autocast(self) -> bool:
+        return self.mode == "autocast" and self.compute != torch.float32
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy:
+        """fully_shard's policy: casts parameters only in `param` mode; reduces in `reduce`."""
+        return MixedPrecisionPolicy(param_dtype=self.compute if self.mode == "param" else None,
+                                    reduce_dtype=self.reduce)
+
+    def mechanism(self) -> str:
+        """One line for the start-up log: what enforces the dtypes in this run."""
+        if self.backend == "ddp":
+            cast = "torch.autocast(forward+loss)"
+            hook = "bf16 compression comm hook" if self.reduce == torch.bfloat16 else "fp32 all-reduce"
+            return f"DistributedDataParallel + {cast} + {hook}"
+        cast = "torch.autocast(forward+loss)" if self.mode == "autocast" else "fully_shard param_dtype cast"
+        return f"fully_shard MixedPrecisionPolicy(param={_name(self.fsdp_policy().param_dtype)}, " \
+               f"reduce={_name(self.reduce)}) + {cast}"
+
+    def describe(self) -> str:
+        return f"precision: compute {_name(self.compute)}, reduce {_name(self.reduce)}, mode {self.mode} via {self.mechanism()}"
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return "float32" if dtype in (None, torch.float32) else str(dtype).removeprefix("torch.")
+
+
+def resolve(cfg: JobConfig) -> Precision:
+    """The table above as code: the run's precision, or a ConfigError naming what works instead."""
+    t, backend = cfg.training, cfg.parallelism.dp_backend
+    if t.mixed_precision_param == "float16":
+        raise ConfigError("training.mixed_precision_param: float16 needs dynamic loss scaling, which plait does "
+                          "not implement; allowed: bfloat16 (same range as float32, no scaling needed), float32")
+    precision = Precision(DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce],
+                          t.mixed_precision_mode, backend)
+    if backend == "ddp" and precision.mode == "param" and precision.compute != torch.float32:
+        raise ConfigError("training.mixed_precision_mode: param is not possible with parallelism.dp_backend ddp "
+                          "(DistributedDataParallel cannot cast parameters at module boundaries); use "
+                          "--training.mixed_precision_mode autocast, or --parallelism.dp_backend fsdp2 "
+                          "(DDP as fully_shard on a replicate mesh)")
+    return precision
+
+
+class TrainContexts:
+    """Separate contexts for forward (+loss) and backward.
+
+    Autocast wraps only the forward pass and the loss: backward ops already run in the dtype
+    autocast chose for their forward, and autocast around backward is unsupported by PyTorch.
+    The current phase is exposed for probes and profiler ranges.
+    """
+
+    def __init__(self, precision: Precision, device_type: str, compiled_autograd: bool = False):
+        self.precision, self.device_type, self.compiled_autograd = precision, device_type, compiled_autograd
+        self.phase = "setup"
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        self.phase = name
+        with torch.profiler.record_function(name):
+            yield
+        self.phase = "step"
+
+    @contextlib.contextmanager
+    def forward(self):
+        with self._phase("forward"), torch.autocast(self.device_type, self.precision.compute,
+                                                    enabled=self.precision.autocast):
+            yield
+
+    @contextlib.contextmanager
+    def backward(self):
+        with self._phase("backward"), contextlib.ExitStack() as stack:
+            if self.compiled_autograd:
+                from torch._dynamo import compiled_autograd
+
+                stack.enter_context(compiled_autograd._enable(torch.compile))
+            yield
+
+    def optimizer(self):
+        return self._phase("optimizer")
