@@ -8,10 +8,11 @@ import sys
 
 from plait.config import ConfigError, parse_args, validate
 
-USAGE = """usage: plait {train} [options]
+USAGE = """usage: plait {train,bench} [options]
 
 subcommands:
   train   train a model (plait train --help lists every option)
+  bench   measure layouts x precisions side by side (plait bench --help)
 """
 
 
@@ -49,7 +50,13 @@ def launch_local(argv: list[str], nproc: int) -> int:
     return subprocess.run(command).returncode
 
 
-COMMANDS = {"train": train}
+def bench(argv: list[str]) -> int:
+    from plait.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {"train": train, "bench": bench}
 
 
 def main(argv: list[str] | None = None) -> int:

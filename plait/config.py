@@ -74,6 +74,10 @@ class Parallelism:
     """tensor-parallel degree"""
     pp: int = 1
     """pipeline-parallel degree"""
+    sequence_parallel: bool = True
+    """with tp > 1: split norms and the residual stream along the sequence between TP regions"""
+    loss_parallel: bool = True
+    """with tp > 1: cross-entropy on vocabulary-sharded logits (full logits never gathered)"""
     dp_backend: Literal["fsdp2", "ddp"] = "fsdp2"
     """fsdp2: fully_shard on the (dp_replicate, dp_shard) mesh for every dp layout; ddp: classic DistributedDataParallel"""
 
@@ -206,8 +210,6 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("dp_replicate", "tp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
-    if p.tp > 1:
-        raise ConfigError("parallelism.tp: tensor parallelism is not available yet; allowed: 1")
     if p.pp > 1:
         raise ConfigError("parallelism.pp: pipeline parallelism is not available yet; allowed: 1")
     others = p.dp_replicate * p.tp * p.pp
@@ -224,9 +226,15 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if p.dp_backend == "ddp" and p.dp_shard != 1:
         raise ConfigError(f"parallelism.dp_backend: ddp replicates, it cannot shard (dp_shard={p.dp_shard}); "
                           "use dp_replicate alone, or dp_backend fsdp2 for FSDP2/HSDP")
+    if p.dp_backend == "ddp" and p.tp > 1:
+        raise ConfigError("parallelism.dp_backend: ddp cannot wrap tensor-parallel (DTensor) parameters; "
+                          "use dp_backend fsdp2, where DDP+TP is fully_shard on the replicate dimension x tp")
     if cfg.compile.autograd and p.dp_backend != "ddp":
         raise ConfigError("compile.autograd: compiled autograd silently stops FSDP2's gradient reduction after step 0 "
                           "(torch 2.13); allowed only with --parallelism.dp_backend ddp")
+    if cfg.debug.dtype_probe and cfg.compile.enable:
+        raise ConfigError("debug.dtype_probe: the probe records eager ops, and torch.compile cannot trace under it; "
+                          "drop --compile.enable to probe")
     from plait.precision import resolve
 
     resolve(cfg)

@@ -115,7 +115,7 @@ def cache_dir() -> Path:
     return d
 
 
-def _cached(path: Path, build, save, load):
+def cached_file(path: Path, build, save, load):
     """Load `path`, building it first if needed. The lock makes one process build while the others
     wait; the atomic rename means nobody ever reads a half-written file. The builder loads the file
     back too, so every process gets exactly the same object."""
@@ -150,7 +150,7 @@ def _tokenizer(data_cfg: Data, texts: list[str], fingerprint: str) -> Tokenizer:
     if vocab_size < 257:
         raise ConfigError(f"data.vocab_size: must be >= 257 (256 bytes + {EOS}), got {vocab_size}")
     path = cache_dir() / f"tokenizer-{fingerprint[:16]}-{vocab_size}.json"
-    return _cached(path, lambda: _train_bpe(texts, vocab_size),
+    return cached_file(path, lambda: _train_bpe(texts, vocab_size),
                    lambda tokenizer, tmp: tokenizer.save(str(tmp)), lambda p: Tokenizer.from_file(str(p)))
 
 
@@ -183,7 +183,7 @@ def tokenize_corpus(data_cfg: Data) -> tuple[np.ndarray, Tokenizer]:
     tokenizer = _tokenizer(data_cfg, texts, fingerprint)
     tokenizer_hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
     path = cache_dir() / f"tokens-{fingerprint[:16]}-{tokenizer_hash[:16]}.npy"
-    tokens = _cached(path, lambda: _encode(texts, tokenizer), _save_npy, lambda p: np.load(p, mmap_mode="r"))
+    tokens = cached_file(path, lambda: _encode(texts, tokenizer), _save_npy, lambda p: np.load(p, mmap_mode="r"))
     return tokens, tokenizer
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from plait.data import cache_dir, cached_file
+
 # Dense peak TFLOP/s (bf16 tensor cores, fp32 without TF32) from the vendors' data sheets.
 GPU_PEAK_TFLOPS = {
     "B200": (2250.0, 80.0),
@@ -29,10 +31,15 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         for key, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
             if key in name:
                 return (bf16 if dtype != torch.float32 else fp32) * 1e12, f"data sheet ({key})"
-    return measure_matmul_flops(device, dtype), "measured by a matmul calibration"
+    # Measured once per machine, dtype and thread count, then cached: MFU of different runs
+    # shares one denominator, and a noisy moment does not make one run's MFU jump.
+    name = f"peak-{device.type}-{str(dtype).removeprefix('torch.')}-{torch.get_num_threads()}threads.json"
+    flops = cached_file(cache_dir() / name, lambda: measure_matmul_flops(device, dtype),
+                        lambda value, tmp: tmp.write_text(json.dumps(value)), lambda p: json.loads(p.read_text()))
+    return flops, f"measured by a matmul calibration, cached in {cache_dir() / name}"
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 2.0) -> float:
     """Best square-matmul FLOP/s over a short run (after a warm-up): the practical peak of this
     device with this process's threads. Taking the best of many short rounds filters out
     moments when other processes held the cores."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig
 
@@ -78,19 +79,24 @@ def resolve(cfg: JobConfig) -> Precision:
 class TrainContexts:
     """Separate contexts for forward (+loss) and backward.
 
-    Autocast wraps only the forward pass and the loss: backward ops already run in the dtype
+    Loss parallelism (under TP) wraps both. Autocast wraps only the forward pass and the loss: backward ops already run in the dtype
     autocast chose for their forward, and autocast around backward is unsupported by PyTorch.
     The current phase is exposed for probes and profiler ranges.
     """
 
-    def __init__(self, precision: Precision, device_type: str, compiled_autograd: bool = False):
+    def __init__(self, precision: Precision, device_type: str, compiled_autograd: bool = False,
+                 loss_parallel: bool = False):
         self.precision, self.device_type, self.compiled_autograd = precision, device_type, compiled_autograd
+        self.loss_parallel = loss_parallel
         self.phase = "setup"
 
     @contextlib.contextmanager
     def _phase(self, name: str):
         self.phase = name
-        with torch.profiler.record_function(name):
+        with torch.profiler.record_function(name), contextlib.ExitStack() as stack:
+            if self.loss_parallel and name in ("forward", "backward"):
+                # Cross-entropy on vocabulary-sharded logits; its backward needs the context too.
+                stack.enter_context(loss_parallel())
             yield
         self.phase = "step"
 

@@ -15,7 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+ATEN_KINDS = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm": "matmul",
+              "embedding": "embedding", "_log_softmax": "loss", "nll_loss_forward": "loss"}
 ATTENTION_PREFIX = "_scaled_dot_product"
 
 
@@ -23,15 +24,15 @@ def op_kind(func) -> str | None:
     namespace, name = func.namespace, func._opname
     if namespace in ("c10d", "_c10d_functional"):
         return "collective"
-    if namespace == "aten" and name in MATMULS:
-        return "matmul"
-    if namespace == "aten" and name.startswith(ATTENTION_PREFIX) and "backward" not in name:
+    if namespace != "aten":
+        return None
+    if name.startswith(ATTENTION_PREFIX) and "backward" not in name:
         return "attention"
-    return None
+    return ATEN_KINDS.get(name)
 
 
 class DtypeProbe(TorchDispatchMode):
-    """Counts (phase, kind, op, input dtypes) for matmuls, attention and collectives."""
+    """Counts (phase, kind, op, input dtypes) for matmuls, attention, embedding, loss and collectives."""
 
     def __init__(self, contexts):
         super().__init__()

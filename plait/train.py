@@ -14,12 +14,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from plait import parallel
 from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
 from plait.data import BatchLoader, tokenize_corpus
 from plait.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from plait.model import cross_entropy, flops_per_token, model_args, num_params
+from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
 from plait.probe import DtypeProbe
 
@@ -81,9 +83,24 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
 
 
 def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm over all shards (clipping to max_norm unless it is 0)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"), foreach=True)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    """Global gradient norm over all shards, clipping to max_norm unless it is 0.
+
+    Gradients may live on different meshes (e.g. TP weights on (dp, tp), norms without sequence
+    parallelism on dp only), which one stacked norm cannot mix: norm per mesh, then combine.
+    """
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if max_norm:
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total.item()
 
 
 def run(cfg: JobConfig) -> list[dict]:
@@ -100,6 +117,7 @@ def run(cfg: JobConfig) -> list[dict]:
         raise ConfigError(str(e)) from None
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
+    check_divisibility(args, cfg)
 
     device = pick_device(cfg)
     init_distributed(cfg, device)
@@ -120,7 +138,8 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
                          dp_mesh.get_local_rank(), dp_mesh.size(), t.seed)
 
     precision = resolve(cfg)
-    contexts = TrainContexts(precision, device.type, cfg.compile.autograd)
+    contexts = TrainContexts(precision, device.type, cfg.compile.autograd,
+                             loss_parallel=cfg.parallelism.tp > 1 and cfg.parallelism.loss_parallel)
     model = parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
 
@@ -148,7 +167,8 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
                 # Reduce gradients once per step, after the last micro-batch, not after each one.
                 with contexts.backward(), parallel.gradient_sync(model, i == len(batches) - 1):
                     (loss / accum).backward()
-                loss_sum += loss.detach()
+                # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.
+                loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
             loss_value = loss_sum.item() / (accum * dp_mesh.size())
             grad_norm = clip_and_norm(model, t.max_norm)

@@ -44,7 +44,7 @@ def test_unknown_config_name_lists_named_configs():
     (["--parallelism.dp_replicate", "3"], "does not divide the world size 4"),
     (["--training.global_batch_size", "6"], "training.global_batch_size"),
     (["--training.global_batch_size", "8", "--training.micro_batch_size", "3"], "micro_batch_size"),
-    (["--parallelism.tp", "2"], "parallelism.tp"),
+    (["--parallelism.tp", "0"], "parallelism.tp"),
     (["--parallelism.pp", "2"], "parallelism.pp"),
     (["--data.path", "/no/such/file.txt"], "data.path"),
     (["--data.tokenizer", "/no/such/tokenizer.json"], "data.tokenizer"),

@@ -9,7 +9,7 @@ import pytest
 from conftest import losses, max_abs_diff, run_plait
 
 pytestmark = pytest.mark.slow
-STEPS = ["--training.steps", "8"]
+STEPS = ["--training.steps", "8", "--training.mixed_precision_param", "float32"]
 
 
 def test_world2_single_ddp_fsdp_bitwise(tmp_path):

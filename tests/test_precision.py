@@ -61,6 +61,17 @@ def test_every_layout_computes_in_bf16_and_reduces_in_the_asked_dtype(runs, name
         assert dtypes(probe, "backward", "collective", GRAD_REDUCTIONS) == {reduce}, probe
 
 
+def test_what_runs_in_bf16_differs_by_mode_as_documented(runs):
+    """The README's table: param mode casts the embedding weight (so the residual stream is
+    bf16), autocast leaves it fp32; the loss is fp32 in both."""
+    for name in ("single", "fsdp", "hsdp_bf16_reduce"):
+        assert dtypes(runs[name][1], "forward", "embedding") == {"bfloat16"}
+    for name in ("single_autocast", "fsdp_autocast", "classic_ddp_autocast"):
+        assert dtypes(runs[name][1], "forward", "embedding") == {"float32"}
+    for name in LAYOUTS:
+        assert dtypes(runs[name][1], "forward", "loss") == {"float32"}
+
+
 def test_the_probe_sees_fp32_compute(runs):
     """The negative control: a float32 run shows float32 matmuls, so a silently-fp32 layout fails."""
     _, probe = runs["single_fp32"]

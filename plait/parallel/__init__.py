@@ -17,10 +17,12 @@ from plait.config import JobConfig
 from plait.model import ModelArgs, Transformer
 from plait.parallel.data_parallel import apply_fsdp
 from plait.parallel.ddp import apply_ddp
+from plait.parallel.tensor_parallel import apply_tp
 from plait.precision import Precision
 from plait.weights import init_weights
 
-MESH_DIMS = ("dp_replicate", "dp_shard")
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+DP_DIMS = ("dp_replicate", "dp_shard")
 
 
 def build_mesh(cfg: JobConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -28,8 +30,8 @@ def build_mesh(cfg: JobConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh
     addresses the same names), and its flattened data-parallel view: the ranks that read
     different data, over which the loader splits batches and the loss is averaged."""
     p = cfg.parallelism
-    mesh = init_device_mesh(device_type, (p.dp_replicate, p.dp_shard), mesh_dim_names=MESH_DIMS)
-    return mesh, mesh[MESH_DIMS]._flatten("dp")
+    mesh = init_device_mesh(device_type, (p.dp_replicate, p.dp_shard, p.tp), mesh_dim_names=MESH_DIMS)
+    return mesh, mesh[DP_DIMS]._flatten("dp")
 
 
 def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Precision,
@@ -47,7 +49,9 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Pr
         model.to_empty(device=device)
         init_weights(model, cfg.training.seed)
         return apply_ddp(model, mesh["dp_replicate"], precision, cfg.compile.autograd)
-    apply_fsdp(model, mesh["dp_replicate", "dp_shard"], precision)
+    if cfg.parallelism.tp > 1:
+        apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
+    apply_fsdp(model, mesh[DP_DIMS], precision)
     model.to_empty(device=device)
     init_weights(model, cfg.training.seed)
     return model
@@ -71,4 +75,6 @@ def describe(mesh: DeviceMesh) -> str:
         layout = "FSDP2"
     else:
         layout = "single device"
+    if sizes["tp"] > 1:
+        layout = "TP" if layout == "single device" else f"{layout}+TP"
     return f"{layout} on mesh {sizes} ({mesh.device_type}, {torch.distributed.get_backend()})"

@@ -21,7 +21,8 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision, compi
     if compiled_autograd:
         # The C++ reducer cannot run under compiled autograd; the Python reducer traces into it.
         torch._dynamo.config.optimize_ddp = "python_reducer"
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group(), broadcast_buffers=False)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group(), 
+                                          forward_sync_buffers=False)  # RoPE is recomputed, never changes
     if precision.reduce == torch.bfloat16:
         ddp.register_comm_hook(dp_mesh.get_group(), bf16_all_reduce)
     return ddp

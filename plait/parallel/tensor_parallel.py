@@ -1,0 +1,66 @@
+"""Tensor parallelism for the Llama model: a declarative plan applied from outside the model.
+
+Megatron-style: q/k/v and SwiGLU w1/w3 are split column-wise (each rank owns whole heads and a
+slice of the FFN hidden units), wo and w2 row-wise, so each block needs one all-gather and one
+reduce-scatter per sub-layer. With sequence parallelism the norms and the residual stream are
+split along the sequence between those points, so no rank holds the full activations. With loss
+parallelism the logits stay split over the vocabulary and cross-entropy is computed on shards.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from plait.config import ConfigError, JobConfig
+from plait.model import ModelArgs
+
+
+def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
+    """Every split dimension must divide evenly: a one-line error before any process group."""
+    tp, p = cfg.parallelism.tp, cfg.parallelism
+    if tp == 1:
+        return
+    sizes = {"model n_heads": args.n_heads, "model n_kv_heads": args.n_kv_heads, "model FFN hidden size": args.ffn_hidden}
+    if p.loss_parallel:
+        sizes["vocabulary size (parallelism.loss_parallel)"] = args.vocab_size
+    if p.sequence_parallel:
+        sizes["training.seq_len (parallelism.sequence_parallel)"] = cfg.training.seq_len
+    for what, size in sizes.items():
+        if size % tp:
+            raise ConfigError(f"parallelism.tp: {tp} does not divide the {what} {size}; "
+                              f"allowed: a divisor of {size}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    # Between blocks activations are split on the sequence (SP) or replicated.
+    between = Shard(1) if sequence_parallel else Replicate()
+    outer = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        outer["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, outer)
+    for block in model.layers.values():
+        plan = {
+            # The block input arrives split (SP) and is gathered once for q/k/v; RoPE's table
+            # (second argument) is a plain tensor every rank already holds.
+            "attention": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=between),
+            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
