@@ -5,14 +5,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import tyro
 
 from plait.config import ConfigError, parse_args, validate
 
-USAGE = """usage: plait {train,bench} [options]
+USAGE = """usage: plait {train,seed-checkpoint,export,bench} [options]
 
 subcommands:
-  train   train a model (plait train --help lists every option)
-  bench   measure layouts x precisions side by side (plait bench --help)
+  train            train a model (plait train --help lists every option)
+  seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
+  export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
+  bench            measure layouts x precisions side by side (plait bench --help)
 """
 
 
@@ -56,7 +63,54 @@ def bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"train": train, "bench": bench}
+def seed_checkpoint(argv: list[str]) -> int:
+    """One process, no process group: the job's model initialised from training.seed, weights only."""
+    if "--out" not in argv[:-1]:
+        raise ConfigError("out: plait seed-checkpoint needs --out DIR")
+    i = argv.index("--out")
+    out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    cfg = parse_args(argv, prog="plait seed-checkpoint")
+    from plait.checkpoint import write_seed_checkpoint
+    from plait.data import build_tokenizer
+    from plait.model import model_args
+
+    args = model_args(cfg.model.flavor, build_tokenizer(cfg.data).get_vocab_size())
+    write_seed_checkpoint(cfg, args, out)
+    print(f"plait: seed checkpoint of {cfg.model.flavor} (seed {cfg.training.seed}) written to {out}")
+    return 0
+
+
+@dataclass
+class ExportArgs:
+    checkpoint: str
+    """a plait checkpoint folder (seed or training)"""
+    out: str
+    """folder to write"""
+    format: Literal["hf"] = "hf"
+    """hf: Hugging Face Llama (model.safetensors + config.json)"""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """dtype of the exported weights"""
+
+
+def export(argv: list[str]) -> int:
+    import torch
+
+    from plait import hf
+    from plait.checkpoint import check_compatible, load_full_state_dict, read_manifest
+    from plait.model import ModelArgs
+
+    opts = tyro.cli(ExportArgs, args=argv, prog="plait export", use_underscores=True)
+    manifest = read_manifest(Path(opts.checkpoint))
+    if manifest is None:
+        raise ConfigError(f"checkpoint: {opts.checkpoint} is not a complete plait checkpoint")
+    args = ModelArgs(**manifest["model_args"])
+    check_compatible(Path(opts.checkpoint), args, "checkpoint")
+    hf.export(load_full_state_dict(Path(opts.checkpoint), args), args, Path(opts.out), getattr(torch, opts.dtype))
+    print(f"plait: exported {opts.checkpoint} (step {manifest['step']}) to {opts.out} as Hugging Face Llama, {opts.dtype}")
+    return 0
+
+
+COMMANDS = {"train": train, "seed-checkpoint": seed_checkpoint, "export": export, "bench": bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,6 +111,20 @@ class Comm:
 
 
 @dataclass
+class Checkpoint:
+    folder: str = ""
+    """save training checkpoints here (step-N folders) and resume from the newest complete one"""
+    interval: int = 0
+    """save every N steps and at the last step; 0 = never save"""
+    keep_latest_k: int = 0
+    """keep only the newest K complete checkpoints; 0 = keep all"""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """async: stage the state in memory and write it while training goes on"""
+    load: str = ""
+    """initial weights when checkpoint.folder has nothing to resume: a seed or training checkpoint, or a Hugging Face Llama folder"""
+
+
+@dataclass
 class Compile:
     enable: bool = False
     """torch.compile each transformer block (inductor)"""
@@ -138,6 +152,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
 
@@ -258,6 +273,13 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         value = getattr(cfg.data, name)
         if value and not Path(value).exists():
             raise ConfigError(f"data.{name}: {value!r} does not exist")
+    c = cfg.checkpoint
+    if c.interval < 0 or c.keep_latest_k < 0:
+        raise ConfigError("checkpoint.interval and checkpoint.keep_latest_k: must be >= 0")
+    if c.interval and not c.folder:
+        raise ConfigError("checkpoint.interval: set checkpoint.folder too (where should checkpoints go?)")
+    if c.load and not Path(c.load).is_dir():
+        raise ConfigError(f"checkpoint.load: {c.load!r} is not a folder")
     if cfg.training.device == "cuda":
         import torch
 

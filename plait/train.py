@@ -11,12 +11,14 @@ import math
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plait import parallel
+from plait import hf, parallel
+from plait.checkpoint import Checkpointer, check_compatible, latest_complete
 from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
 from plait.data import BatchLoader, tokenize_corpus
 from plait.metrics import MetricsLogger, peak_flops, peak_memory_gib
@@ -103,6 +105,19 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
     return total.item()
 
 
+def check_checkpoints(cfg: JobConfig, args) -> None:
+    """What start-up would load must fit this model: checked before any process group."""
+    resume = latest_complete(cfg.checkpoint.folder)
+    if resume is not None:
+        check_compatible(resume, args, "checkpoint.folder")
+    elif cfg.checkpoint.load:
+        folder = Path(cfg.checkpoint.load)
+        if hf.is_hf_folder(folder):
+            hf.load(folder, args, "checkpoint.load")
+        else:
+            check_compatible(folder, args, "checkpoint.load")
+
+
 def run(cfg: JobConfig) -> list[dict]:
     """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
     validate(cfg, world_size())
@@ -118,6 +133,7 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
     check_divisibility(args, cfg)
+    check_checkpoints(cfg, args)
 
     device = pick_device(cfg)
     init_distributed(cfg, device)
@@ -142,6 +158,8 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
                              loss_parallel=cfg.parallelism.tp > 1 and cfg.parallelism.loss_parallel)
     model = parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
+    checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader)
+    done = checkpointer.restore()
 
     accum = grad_accumulation_steps(cfg)
     tokens_per_step = t.global_batch_size * t.seq_len
@@ -155,9 +173,9 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
               f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})\nplait: {precision.describe()}", flush=True)
 
     rows = []
-    for step in range(1, t.steps + 1):
+    for step in range(done + 1, t.steps + 1):
         start = time.perf_counter()
-        probe = DtypeProbe(contexts) if step == 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
+        probe = DtypeProbe(contexts) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
         with probe:
             loss_sum = torch.zeros((), device=device)
             batches = loader.next_batches()
@@ -192,6 +210,8 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
                    "memory_gib": peak_memory_gib(device), "step_time": elapsed}
             logger.log(row)
             rows.append(row)
+        checkpointer.maybe_save(step)
+    checkpointer.close()
     if logger:
         logger.close()
     return rows

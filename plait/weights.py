@@ -9,17 +9,24 @@ DTensor RNG tracker there, so every rank would draw the same numbers for differe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from plait.model import Transformer, initial_value
 
 
-@torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
     """Fill every parameter of a model already placed on its device (after `to_empty`)."""
+    fill_weights(model, lambda name, shape: initial_value(model, name, shape, seed))
+
+
+@torch.no_grad()
+def fill_weights(model: Transformer, full_value: Callable[[str, torch.Size], torch.Tensor]) -> None:
+    """Set every parameter from `full_value(name, full shape)`, each rank keeping its own piece."""
     for name, param in model.named_parameters():
-        full = initial_value(model, _plain_name(name), param.shape, seed).to(param.dtype)
+        full = full_value(name, param.shape).to(param.dtype)
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank has `full`, so slicing needs no communication.
             piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -27,8 +34,3 @@ def init_weights(model: Transformer, seed: int) -> None:
         else:
             param.copy_(full)
     model.reset_buffers()
-
-
-def _plain_name(name: str) -> str:
-    """The unwrapped model's name of a parameter (wrappers such as torch.compile add prefixes)."""
-    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")

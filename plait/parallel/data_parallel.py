@@ -18,10 +18,13 @@ from plait.precision import Precision
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision) -> nn.Module:
     policy = precision.fsdp_policy()
     # Each block is its own unit so only one block's full parameters exist at a time. The last
-    # block is not resharded after forward: backward needs it immediately.
+    # block is not resharded after forward: backward needs it immediately. Without a shard
+    # dimension (DDP, single device) resharding saves no memory and would only repeat the
+    # all-gather copies in backward, so parameters stay unsharded from forward to backward.
+    sharded = dp_mesh["dp_shard"].size() > 1
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=sharded and i < len(blocks) - 1)
     # Embedding, final norm and output share the root unit.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     return model

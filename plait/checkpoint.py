@@ -1,0 +1,220 @@
+"""Checkpoints: seed checkpoints, distributed training checkpoints, exact resume.
+
+A checkpoint is a folder written by `torch.distributed.checkpoint` (DCP) — each rank writes its
+own shards, and any other layout can read them back (DCP reshards on load) — plus `plait.json`,
+the manifest: model shape, step, data-loader and LR-schedule state, RNG state. The manifest is
+written last, atomically, by rank 0 once every rank's data is on disk, so a folder without one
+is never taken as complete: a crash mid-save can leave debris, never a checkpoint.
+
+Nothing here unpickles user data: tensors go through DCP, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from plait import hf
+from plait.config import ConfigError, JobConfig
+from plait.model import ModelArgs, Transformer
+from plait.weights import fill_weights, init_weights
+
+MANIFEST = "plait.json"
+STEP_FOLDER = re.compile(r"step-(\d+)$")
+
+
+def read_manifest(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, folder / MANIFEST)  # atomic: the folder is complete from this instant on
+
+
+def latest_complete(root: str) -> Path | None:
+    """The newest step-N folder under `root` that has a manifest."""
+    if not root or not Path(root).is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := STEP_FOLDER.match(p.name))]
+    for _, folder in sorted(steps, reverse=True):
+        if read_manifest(folder) is not None:
+            return folder
+    return None
+
+
+def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
+    """Fail with one line, before any process group, if `folder` cannot start this model."""
+    if not folder.is_dir():
+        raise ConfigError(f"{option}: {str(folder)!r} is not a folder")
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ConfigError(f"{option}: {folder} has no {MANIFEST}: not a plait checkpoint, or a save that never "
+                          "completed")
+    if manifest["model_args"] != asdict(args):
+        theirs, ours = manifest["model_args"], asdict(args)
+        diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
+        raise ConfigError(f"{option}: {folder} holds another model ({manifest.get('flavor')}: {diff} in this run)")
+    try:
+        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise ConfigError(f"{option}: {folder} is unreadable: {e}") from None
+    with torch.device("meta"):
+        expected = {f"model.{k}": v.shape for k, v in Transformer(args).state_dict().items()}
+    missing = sorted(set(expected) - set(saved))
+    wrong = [f"{k} {tuple(saved[k].size)} (expected {tuple(v)})" for k, v in expected.items()
+             if k in saved and tuple(saved[k].size) != tuple(v)]
+    if missing or wrong:
+        raise ConfigError(f"{option}: {folder} does not match the model: missing {missing[:3]}, wrong shapes {wrong[:3]}")
+    return manifest
+
+
+def _manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) -> dict:
+    return {"kind": kind, "step": step, "flavor": cfg.model.flavor, "model_args": asdict(args), **extra}
+
+
+def load_full_state_dict(folder: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """A checkpoint's model weights as one full CPU state dict, in one process (no process group)."""
+    state = Transformer(args).state_dict()
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise ConfigError(f"checkpoint: loading {folder} failed: {str(e).splitlines()[0]}") from None
+    return state
+
+
+def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path) -> None:
+    """Model weights only, initialised from training.seed in one process with no process group."""
+    if read_manifest(out) is not None:
+        raise ConfigError(f"out: {out} already holds a checkpoint; refusing to overwrite it")
+    model = Transformer(args)
+    init_weights(model, cfg.training.seed)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
+    write_manifest(out, _manifest(cfg, args, "seed", 0))
+
+
+class Checkpointer:
+    """Saves every `checkpoint.interval` steps and restores at start-up (see `restore`)."""
+
+    def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader):
+        self.cfg, self.args = cfg, args
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.root = Path(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
+        self.pending = None  # (future, folder, manifest) of an asynchronous save in flight
+        # Staging copies the state to CPU memory so training can go on while it is written; the
+        # defaults (pinned/shared memory, async copies) assume an accelerator.
+        cuda = torch.cuda.is_available() and cfg.training.device != "cpu"
+        self.stager = None
+        if cfg.checkpoint.async_mode == "async":
+            self.stager = DefaultStager(StagingOptions(cuda, cuda, cuda, cuda))
+            # The background save runs collectives while training runs its own: a group of its
+            # own keeps the two streams of collectives from interleaving on one communicator.
+            self.save_group = dist.new_group(backend="gloo")
+
+    def _state(self, with_optimizer: bool) -> dict:
+        state = {"model": get_model_state_dict(self.model)}
+        if with_optimizer:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return state
+
+    def restore(self) -> int:
+        """Resume from the newest complete checkpoint in checkpoint.folder (everything: weights,
+        optimizer, schedule, data position, RNG) or else start from checkpoint.load (weights
+        only: a seed checkpoint never carries data or optimizer state). Returns steps done."""
+        folder = latest_complete(self.cfg.checkpoint.folder)
+        if folder is None:
+            load = Path(self.cfg.checkpoint.load) if self.cfg.checkpoint.load else None
+            if load is not None and hf.is_hf_folder(load):
+                state = hf.load(load, self.args, "checkpoint.load")
+                fill_weights(getattr(self.model, "module", self.model), lambda name, shape: state[name])
+            elif load is not None:
+                self._load(load, with_optimizer=False)
+            return 0
+        manifest = self._load(folder, with_optimizer=True)
+        self.loader.load_state_dict(manifest["loader"])
+        self.scheduler.load_state_dict(manifest["scheduler"])
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
+        if dist.get_rank() == 0:
+            print(f"plait: resumed from {folder} (step {manifest['step']})", flush=True)
+        return manifest["step"]
+
+    def _load(self, folder: Path, with_optimizer: bool) -> dict:
+        manifest = read_manifest(folder)
+        state = self._state(with_optimizer)
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except (Exception, CheckpointException) as e:
+            raise ConfigError(f"checkpoint: loading {folder} failed: {str(e).splitlines()[0]}") from None
+        set_model_state_dict(self.model, state["model"])
+        if with_optimizer:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        return manifest
+
+    def maybe_save(self, step: int) -> None:
+        self._finish_pending(block=False)
+        interval = self.cfg.checkpoint.interval
+        if self.root is None or not interval or (step % interval and step != self.cfg.training.steps):
+            return
+        self._finish_pending(block=True)  # one save in flight at a time
+        folder = self.root / f"step-{step}"
+        if read_manifest(folder) is not None:
+            return  # a complete checkpoint of this step exists: never overwrite a good one
+        if dist.get_rank() == 0 and folder.exists():
+            shutil.rmtree(folder)  # debris of a save that never completed
+        dist.barrier()
+        manifest = _manifest(self.cfg, self.args, "train", step, loader=self.loader.state_dict(),
+                             scheduler=self.scheduler.state_dict(),
+                             rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
+        if self.stager is None:
+            dcp.save(self._state(with_optimizer=True), checkpoint_id=str(folder))
+            self._complete(folder, manifest)
+        else:
+            response = dcp.async_save(self._state(with_optimizer=True), checkpoint_id=str(folder),
+                                      async_stager=self.stager, process_group=self.save_group)
+            self.pending = (getattr(response, "upload_completion", response), folder, manifest)
+
+    def _finish_pending(self, block: bool) -> None:
+        if self.pending is None or (not block and not self.pending[0].done()):
+            return
+        future, folder, manifest = self.pending
+        self.pending = None
+        future.result()
+        self._complete(folder, manifest)
+
+    def _complete(self, folder: Path, manifest: dict) -> None:
+        # Rank 0's save returns after the coordinator wrote DCP's metadata, i.e. after every
+        # rank's shards are on disk: only then is the manifest written.
+        if dist.get_rank() == 0:
+            write_manifest(folder, manifest)
+            self._prune()
+
+    def _prune(self) -> None:
+        keep = self.cfg.checkpoint.keep_latest_k
+        complete = sorted((int(STEP_FOLDER.match(p.name).group(1)), p) for p in self.root.iterdir()
+                          if STEP_FOLDER.match(p.name) and read_manifest(p) is not None)
+        if keep:
+            for _, folder in complete[:-keep]:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        self._finish_pending(block=True)
+        if self.stager is not None:
+            self.stager.close()

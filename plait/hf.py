@@ -1,0 +1,119 @@
+"""Hugging Face Llama interchange: export to and import from `LlamaForCausalLM` folders.
+
+Parameter names (plait -> Hugging Face):
+    tok_embeddings.weight                  -> model.embed_tokens.weight
+    layers.N.attention.w{q,k,v,o}.weight   -> model.layers.N.self_attn.{q,k,v,o}_proj.weight
+    layers.N.feed_forward.w1/w3/w2.weight  -> model.layers.N.mlp.gate_proj/up_proj/down_proj.weight
+    layers.N.attention_norm.weight         -> model.layers.N.input_layernorm.weight
+    layers.N.ffn_norm.weight               -> model.layers.N.post_attention_layernorm.weight
+    norm.weight                            -> model.norm.weight
+    output.weight                          -> lm_head.weight
+
+RoPE layout: plait (like Meta's reference) rotates interleaved pairs (x0, x1), (x2, x3), ...
+of each head; Hugging Face rotates the two halves (x_i, x_{i+d/2}). The rotation is the same
+once each head's rows of wq and wk are reordered: plait row 2i -> HF row i, plait row 2i+1 ->
+HF row i + d/2 (`to_hf_rope_order`; `from_hf_rope_order` is its inverse).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from plait.config import ConfigError
+from plait.model import ModelArgs
+
+LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+WEIGHTS = "model.safetensors"
+
+
+def hf_name(name: str) -> str:
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    index, rest = LAYER.match(name).groups()
+    return f"model.layers.{index}.{LAYER_NAMES[rest]}"
+
+
+def to_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    heads = weight.shape[0] // head_dim
+    return weight.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def from_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    heads = weight.shape[0] // head_dim
+    return weight.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False, "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def export(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Path, dtype: torch.dtype) -> None:
+    """Write `out/model.safetensors` and `out/config.json` from a full plait state dict."""
+    converted = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(("wq.weight", "wk.weight")):
+            tensor = to_hf_rope_order(tensor, args.head_dim)
+        converted[hf_name(name)] = tensor.to(dtype).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(converted, str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=1))
+
+
+def is_hf_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def load(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
+    """A full plait state dict (fp32) from a Hugging Face Llama folder, checked against `args`."""
+    config = json.loads((folder / "config.json").read_text())
+    expected = hf_config(args, torch.float32)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    mismatched = [f"{k} {config.get(k)} vs {expected[k]}" for k in keys if config.get(k) != expected[k]]
+    if mismatched:
+        raise ConfigError(f"{option}: {folder} holds another model shape ({', '.join(mismatched)} in this run)")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{option}: {folder} has config.json but no .safetensors weights")
+    hf = {}
+    for f in files:
+        hf.update(load_file(str(f)))  # safetensors: plain tensors, nothing is unpickled
+    from plait.model import Transformer
+
+    with torch.device("meta"):
+        names = list(Transformer(args).state_dict())
+    missing = [hf_name(n) for n in names if hf_name(n) not in hf]
+    if missing:
+        raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    state = {}
+    for name in names:
+        tensor = hf[hf_name(name)].float()
+        if name.endswith(("wq.weight", "wk.weight")):
+            tensor = from_hf_rope_order(tensor, args.head_dim)
+        state[name] = tensor
+    return state
