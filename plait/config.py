@@ -78,8 +78,10 @@ class Parallelism:
     """with tp > 1: split norms and the residual stream along the sequence between TP regions"""
     loss_parallel: bool = True
     """with tp > 1: cross-entropy on vocabulary-sharded logits (full logits never gathered)"""
-    dp_backend: Literal["fsdp2", "ddp"] = "fsdp2"
-    """fsdp2: fully_shard on the (dp_replicate, dp_shard) mesh for every dp layout; ddp: classic DistributedDataParallel"""
+    dp_backend: Literal["fsdp2", "ddp", "simple_fsdp"] = "fsdp2"
+    """fsdp2: fully_shard on the (dp_replicate, dp_shard) mesh for every dp layout; ddp: classic DistributedDataParallel; simple_fsdp: DTensor parametrization"""
+    reshard_after_forward: bool = True
+    """simple_fsdp with dp_shard > 1: free gathered parameters after forward, re-gather in backward"""
 
 
 @dataclass
@@ -244,6 +246,9 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if p.dp_backend == "ddp" and p.tp > 1:
         raise ConfigError("parallelism.dp_backend: ddp cannot wrap tensor-parallel (DTensor) parameters; "
                           "use dp_backend fsdp2, where DDP+TP is fully_shard on the replicate dimension x tp")
+    if p.dp_backend == "simple_fsdp" and p.tp > 1:
+        raise ConfigError("parallelism.dp_backend: simple_fsdp does not compose with tensor parallelism yet; "
+                          "use dp_backend fsdp2 for FSDP2+TP / DDP+TP, or tp 1")
     if cfg.compile.autograd and p.dp_backend != "ddp":
         raise ConfigError("compile.autograd: compiled autograd silently stops FSDP2's gradient reduction after step 0 "
                           "(torch 2.13); allowed only with --parallelism.dp_backend ddp")

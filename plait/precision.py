@@ -10,6 +10,8 @@ exists for: a trainer whose bf16 setting only reached FSDP runs, so DDP trained 
 | fsdp2      | autocast | torch.autocast around forward + loss       | fully_shard reduce_dtype              |
 | ddp        | param    | refused: DDP cannot cast at module borders | -                                     |
 | ddp        | autocast | torch.autocast around forward + loss       | all-reduce (+ bf16 compression hook)  |
+| simple_fsdp| param    | redistribute(forward_dtype=compute)        | redistribute(backward_dtype=reduce)   |
+| simple_fsdp| autocast | torch.autocast around forward + loss       | redistribute(backward_dtype=reduce)   |
 """
 
 from __future__ import annotations
@@ -38,9 +40,14 @@ class Precision:
         return self.mode == "autocast" and self.compute != torch.float32
 
     def fsdp_policy(self) -> MixedPrecisionPolicy:
-        """fully_shard's policy: casts parameters only in `param` mode; reduces in `reduce`."""
+        """fully_shard's policy: casts parameters only in `param` mode; reduces in `reduce`.
+
+        Forward inputs are not cast: activations are already in the compute dtype (they come
+        out of bf16 layers), and casting would also round the fp32 RoPE table each block
+        receives to bf16, a loss of precision no other backend has.
+        """
         return MixedPrecisionPolicy(param_dtype=self.compute if self.mode == "param" else None,
-                                    reduce_dtype=self.reduce)
+                                    reduce_dtype=self.reduce, cast_forward_inputs=False)
 
     def mechanism(self) -> str:
         """One line for the start-up log: what enforces the dtypes in this run."""
@@ -48,6 +55,9 @@ class Precision:
             cast = "torch.autocast(forward+loss)"
             hook = "bf16 compression comm hook" if self.reduce == torch.bfloat16 else "fp32 all-reduce"
             return f"DistributedDataParallel + {cast} + {hook}"
+        if self.backend == "simple_fsdp":
+            cast = "torch.autocast(forward+loss)" if self.mode == "autocast" else f"forward_dtype={_name(self.compute)}"
+            return f"SimpleFSDP redistribute({cast}, backward_dtype={_name(self.reduce)})"
         cast = "torch.autocast(forward+loss)" if self.mode == "autocast" else "fully_shard param_dtype cast"
         return f"fully_shard MixedPrecisionPolicy(param={_name(self.fsdp_policy().param_dtype)}, " \
                f"reduce={_name(self.reduce)}) + {cast}"

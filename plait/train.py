@@ -87,18 +87,23 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
 def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Global gradient norm over all shards, clipping to max_norm unless it is 0.
 
-    Gradients may live on different meshes (e.g. TP weights on (dp, tp), norms without sequence
-    parallelism on dp only), which one stacked norm cannot mix: norm per mesh, then combine.
+    Squares are summed in float64: each layout sums shards in its own order, and in fp32 those
+    orders differ in the last bit, enough to change the clipping coefficient and break the
+    bitwise equality of layouts. In fp64 the fp32-rounded result is the same in every layout.
+    Gradients may also live on different meshes (e.g. TP weights on (dp, tp), norms without
+    sequence parallelism on dp only), which one stacked norm cannot mix: norm per mesh, then
+    combine.
     """
     by_mesh: dict = {}
     for p in model.parameters():
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = []
+    squares = []
     for params in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64)
+                                                     for p in params]))
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt().float()
     if max_norm:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)

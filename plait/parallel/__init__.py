@@ -17,6 +17,7 @@ from plait.config import JobConfig
 from plait.model import ModelArgs, Transformer
 from plait.parallel.data_parallel import apply_fsdp
 from plait.parallel.ddp import apply_ddp
+from plait.parallel.simple_fsdp import apply_simple_fsdp, raw_parameters
 from plait.parallel.tensor_parallel import apply_tp
 from plait.precision import Precision
 from plait.weights import init_weights
@@ -51,6 +52,12 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Pr
         return apply_ddp(model, mesh["dp_replicate"], precision, cfg.compile.autograd)
     if cfg.parallelism.tp > 1:
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
+    if cfg.parallelism.dp_backend == "simple_fsdp":
+        apply_simple_fsdp(model, mesh[DP_DIMS], precision, cfg.parallelism.reshard_after_forward)
+        model.to_empty(device=device)
+        with raw_parameters():  # write the stored shards, not gathered temporaries
+            init_weights(model, cfg.training.seed)
+        return model
     apply_fsdp(model, mesh[DP_DIMS], precision)
     model.to_empty(device=device)
     init_weights(model, cfg.training.seed)
@@ -61,7 +68,10 @@ def gradient_sync(model: nn.Module, enabled: bool):
     """Context for one micro-batch's backward: reduce gradients only when `enabled` (the last)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext() if enabled else model.no_sync()
-    model.set_requires_gradient_sync(enabled)
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+    # SimpleFSDP reduces in each micro-batch's backward (part of the graph); sharded fp32
+    # gradients then accumulate.
     return contextlib.nullcontext()
 
 
