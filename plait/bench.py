@@ -21,7 +21,8 @@ import tyro
 from plait.config import ConfigError
 
 
-Row = Literal["single", "ddp", "ddp_classic", "fsdp2", "tp", "ddp_tp", "fsdp2_tp"]
+Row = Literal["single", "ddp", "ddp_classic", "fsdp2", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp",
+              "simple_fsdp_compiled", "fsdp2_compiled"]
 
 
 @dataclass
@@ -57,6 +58,12 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         "tp": ("TP2", 2, tp),
         "ddp_tp": (f"DDP{n}+TP2", 2 * nproc, ["--parallelism.dp_replicate", n, "--parallelism.dp_shard", "1", *tp]),
         "fsdp2_tp": (f"FSDP2({n})+TP2", 2 * nproc, ["--parallelism.dp_shard", n, *tp]),
+        "simple_fsdp": ("SimpleFSDP fully_shard", nproc, ["--parallelism.dp_backend", "simple_fsdp",
+                                                          "--parallelism.dp_shard", n]),
+        "simple_fsdp_compiled": ("SimpleFSDP fully_shard, compiled", nproc,
+                                 ["--parallelism.dp_backend", "simple_fsdp", "--parallelism.dp_shard", n,
+                                  "--compile.enable"]),
+        "fsdp2_compiled": ("FSDP2, compiled", nproc, ["--parallelism.dp_shard", n, "--compile.enable"]),
     }
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -148,12 +149,14 @@ class Checkpointer:
             elif load is not None:
                 self._load(load, with_optimizer=False)
             return 0
+        start = time.perf_counter()
         manifest = self._load(folder, with_optimizer=True)
         self.loader.load_state_dict(manifest["loader"])
         self.scheduler.load_state_dict(manifest["scheduler"])
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
         if dist.get_rank() == 0:
-            print(f"plait: resumed from {folder} (step {manifest['step']})", flush=True)
+            print(f"plait: resumed from {folder} (step {manifest['step']}) in {time.perf_counter() - start:.2f}s",
+                  flush=True)
         return manifest["step"]
 
     def _load(self, folder: Path, with_optimizer: bool) -> dict:
@@ -183,28 +186,32 @@ class Checkpointer:
         manifest = _manifest(self.cfg, self.args, "train", step, loader=self.loader.state_dict(),
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
+        start = time.perf_counter()
         if self.stager is None:
             dcp.save(self._state(with_optimizer=True), checkpoint_id=str(folder))
-            self._complete(folder, manifest)
+            self._complete(folder, manifest, start, time.perf_counter() - start)
         else:
             response = dcp.async_save(self._state(with_optimizer=True), checkpoint_id=str(folder),
                                       async_stager=self.stager, process_group=self.save_group)
-            self.pending = (getattr(response, "upload_completion", response), folder, manifest)
+            self.pending = (getattr(response, "upload_completion", response), folder, manifest, start,
+                            time.perf_counter() - start)
 
     def _finish_pending(self, block: bool) -> None:
         if self.pending is None or (not block and not self.pending[0].done()):
             return
-        future, folder, manifest = self.pending
+        future, folder, manifest, start, blocking = self.pending
         self.pending = None
         future.result()
-        self._complete(folder, manifest)
+        self._complete(folder, manifest, start, blocking)
 
-    def _complete(self, folder: Path, manifest: dict) -> None:
+    def _complete(self, folder: Path, manifest: dict, start: float, blocking: float) -> None:
         # Rank 0's save returns after the coordinator wrote DCP's metadata, i.e. after every
         # rank's shards are on disk: only then is the manifest written.
         if dist.get_rank() == 0:
             write_manifest(folder, manifest)
             self._prune()
+            print(f"plait: checkpoint {folder} complete after {time.perf_counter() - start:.2f}s; training was "
+                  f"blocked {blocking:.2f}s", flush=True)
 
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_latest_k

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "3", "--warmup", "1",
+    proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "2", "--warmup", "1",
                            "--seq_len", "64", "--rows", "single", "tp", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
