@@ -92,11 +92,17 @@ def bench(cfg: BenchConfig) -> list[dict]:
         for key in cfg.rows:
             name, world, flags = layouts(cfg.nproc)[key]
             row = {"layout": name, "world": world}
-            for dtype in ("float32", "bfloat16"):
-                print(f"bench: {name}, {dtype} ...", file=sys.stderr, flush=True)
-                for metric, value in run_row(cfg, world, flags, dtype, Path(folder)).items():
-                    row[f"{dtype}_{metric}"] = value
+            try:
+                for dtype in ("float32", "bfloat16"):
+                    print(f"bench: {name}, {dtype} ...", file=sys.stderr, flush=True)
+                    for metric, value in run_row(cfg, world, flags, dtype, Path(folder)).items():
+                        row[f"{dtype}_{metric}"] = value
+            except RuntimeError as e:  # one broken row must not cost the others' measurements
+                print(f"bench: {name} FAILED, left out of the table:\n{e}", file=sys.stderr, flush=True)
+                continue
             row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
+            print(f"bench: {name}: {row['float32_tokens_per_sec']:.0f} tok/s fp32, "
+                  f"{row['bfloat16_tokens_per_sec']:.0f} tok/s bf16", file=sys.stderr, flush=True)
             table.append(row)
     return table
 

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from plait.config import ConfigError
@@ -88,8 +89,9 @@ def is_hf_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def load(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
-    """A full plait state dict (fp32) from a Hugging Face Llama folder, checked against `args`."""
+def check(folder: Path, args: ModelArgs, option: str) -> list[Path]:
+    """Fail with one line unless `folder` holds this model's shape and every weight; reads the
+    config and the safetensors headers only. Returns the weight files."""
     config = json.loads((folder / "config.json").read_text())
     expected = hf_config(args, torch.float32)
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -100,18 +102,30 @@ def load(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{option}: {folder} has config.json but no .safetensors weights")
-    hf = {}
+    present = set()
     for f in files:
-        hf.update(load_file(str(f)))  # safetensors: plain tensors, nothing is unpickled
+        with safe_open(str(f), "pt") as weights:
+            present.update(weights.keys())
+    missing = [hf_name(n) for n in _plait_names(args) if hf_name(n) not in present]
+    if missing:
+        raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return files
+
+
+def _plait_names(args: ModelArgs) -> list[str]:
     from plait.model import Transformer
 
     with torch.device("meta"):
-        names = list(Transformer(args).state_dict())
-    missing = [hf_name(n) for n in names if hf_name(n) not in hf]
-    if missing:
-        raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        return list(Transformer(args).state_dict())
+
+
+def load(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
+    """A full plait state dict (fp32) from a Hugging Face Llama folder, checked against `args`."""
+    hf = {}
+    for f in check(folder, args, option):
+        hf.update(load_file(str(f)))  # safetensors: plain tensors, nothing is unpickled
     state = {}
-    for name in names:
+    for name in _plait_names(args):
         tensor = hf[hf_name(name)].float()
         if name.endswith(("wq.weight", "wk.weight")):
             tensor = from_hf_rope_order(tensor, args.head_dim)

@@ -118,7 +118,7 @@ def check_checkpoints(cfg: JobConfig, args) -> None:
     elif cfg.checkpoint.load:
         folder = Path(cfg.checkpoint.load)
         if hf.is_hf_folder(folder):
-            hf.load(folder, args, "checkpoint.load")
+            hf.check(folder, args, "checkpoint.load")
         else:
             check_compatible(folder, args, "checkpoint.load")
 

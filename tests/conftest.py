@@ -45,3 +45,28 @@ def losses(rows: list[dict]) -> list[float]:
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below `pid`, from /proc (torchrun's workers are grandchildren)."""
+    children = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                ppid = int(open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(stat))
+    stack, found = [pid], []
+    while stack:
+        kids = children.get(stack.pop(), [])
+        found += kids
+        stack += kids
+    return sorted(found)
+
+
+def environ(pid: int) -> str:
+    try:
+        return "\0" + open(f"/proc/{pid}/environ").read()
+    except OSError:
+        return ""

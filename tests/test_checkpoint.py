@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from conftest import ROOT, TINY, losses, max_abs_diff, run_plait
+from conftest import ROOT, TINY, descendants, environ, losses, max_abs_diff, run_plait
 
 pytestmark = pytest.mark.slow
 FP32 = ["--training.mixed_precision_param", "float32"]
@@ -58,8 +58,9 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
         assert max_abs_diff(losses(rows), losses(reference)) <= 1e-6, layout
 
 
-def _run_and_kill_after(args, step_line, nproc=1):
-    """Start `plait train`, SIGKILL the whole job once `step_line` is printed."""
+def _run_and_kill_after(args, step_line, nproc=1, only_rank=None):
+    """Start `plait train`; once `step_line` is printed, SIGKILL rank `only_rank` (the others
+    must then end by themselves) or, if None, the whole job."""
     command = [sys.executable, "-m", "plait", "train", "--nproc", str(nproc), *TINY, *args, "--metrics.log_interval", "1"]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -71,6 +72,11 @@ def _run_and_kill_after(args, step_line, nproc=1):
                 break
         else:
             raise AssertionError(f"the job ended or hung before printing {step_line!r}")
+        if only_rank is not None:
+            victim = [pid for pid in descendants(proc.pid) if f"\0RANK={only_rank}\0" in environ(pid)]
+            assert len(victim) == 1, victim
+            os.kill(victim[0], signal.SIGKILL)
+            assert proc.wait(timeout=120) != 0
     finally:
         watchdog.cancel()
         os.killpg(proc.pid, signal.SIGKILL)
@@ -109,7 +115,7 @@ def test_kill_during_async_save_resumes_from_last_complete(tmp_path):
     folder = tmp_path / "ckpt"
     args = ["--training.steps", "200", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
             "--checkpoint.folder", str(folder)]
-    _run_and_kill_after(args, "step     9", nproc=2)
+    _run_and_kill_after(args, "step     9", nproc=2, only_rank=1)
     complete = sorted(int(p.name[5:]) for p in folder.iterdir() if (p / "plait.json").exists())
     assert complete and complete[-1] >= 4
     # Debris of a save that never completed, newer than anything complete: must be ignored.

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, losses, run_plait
+from conftest import ROOT, TINY, descendants, environ, losses, run_plait
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "memory_gib"}
 
@@ -43,31 +43,6 @@ def test_missing_data_file_fails_before_training(tmp_path):
     rows, proc = run_plait(tmp_path, "--data.path", str(tmp_path / "missing.txt"), check=False)
     assert proc.returncode == 2 and rows == []
     assert proc.stderr.strip().splitlines()[-1].startswith("plait: error: data.path:")
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below `pid`, from /proc (torchrun's workers are grandchildren)."""
-    children = {}
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                ppid = int(open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(stat))
-    stack, found = [pid], []
-    while stack:
-        kids = children.get(stack.pop(), [])
-        found += kids
-        stack += kids
-    return sorted(found)
-
-
-def environ(pid: int) -> str:
-    try:
-        return "\0" + open(f"/proc/{pid}/environ").read()
-    except OSError:
-        return ""
 
 
 @pytest.mark.slow

@@ -86,16 +86,23 @@ def reshard_after_forward(block: nn.Module) -> None:
     block.forward = resharding_forward
 
 
-def _parametrize(module: nn.Module, compute: ReplicateComputation) -> None:
-    names = [name for name, _ in module.named_parameters(recurse=False)]
-    properties = {name: property(lambda self, name=name: compute(self._parameters[name])) for name in names}
-    module.__class__ = type(f"SimpleFSDP{module.__class__.__name__}", (module.__class__,), properties)
+def _parametrize(module: nn.Module, compute: ReplicateComputation, classes: dict) -> None:
+    """Swap in a subclass whose parameter attributes are computed properties. Modules of one
+    class share one subclass: torch.compile guards on types, and a class per module would
+    recompile every transformer block."""
+    names = tuple(name for name, _ in module.named_parameters(recurse=False))
+    key = (module.__class__, names)
+    if key not in classes:
+        properties = {name: property(lambda self, name=name: compute(self._parameters[name])) for name in names}
+        classes[key] = type(f"SimpleFSDP{module.__class__.__name__}", (module.__class__,), properties)
+    module.__class__ = classes[key]
 
 
 def apply_simple_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision, reshard: bool) -> None:
     """Store every parameter as a DTensor on the dp mesh and parametrize its access."""
     placements = [Replicate(), Shard(0)]
     compute = ReplicateComputation(dp_mesh, precision)
+    classes: dict = {}
     for module in list(model.modules()):
         params = dict(module.named_parameters(recurse=False))
         if not params:
@@ -107,7 +114,7 @@ def apply_simple_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precisio
             # src_data_rank=None: no communication; the values are filled in after `to_empty`.
             stored = distribute_tensor(param, dp_mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(stored, requires_grad=param.requires_grad))
-        _parametrize(module, compute)
+        _parametrize(module, compute, classes)
     if reshard and dp_mesh["dp_shard"].size() > 1:
         for block in model.layers.values():
             reshard_after_forward(block)
