@@ -1,5 +1,6 @@
 """Seed checkpoints, exact resume (also across layouts), crash safety, bad checkpoints, HF interchange."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -79,7 +80,8 @@ def _run_and_kill_after(args, step_line, nproc=1, only_rank=None):
             assert proc.wait(timeout=120) != 0
     finally:
         watchdog.cancel()
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the job may already have ended by itself
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
