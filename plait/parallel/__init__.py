@@ -45,22 +45,19 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Pr
         # hooks that sharding adds around the module call stay outside the compiled graph.
         for block in model.layers.values():
             block.forward = torch.compile(block.forward, fullgraph=True)
-    if cfg.parallelism.dp_backend == "ddp":
-        # DistributedDataParallel needs real parameters to wrap: it replicates them anyway.
-        model.to_empty(device=device)
-        init_weights(model, cfg.training.seed)
-        return apply_ddp(model, mesh["dp_replicate"], precision, cfg.compile.autograd)
-    if cfg.parallelism.tp > 1:
+    backend = cfg.parallelism.dp_backend
+    if cfg.parallelism.tp > 1:  # start-up refuses TP with classic DDP
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
-    if cfg.parallelism.dp_backend == "simple_fsdp":
+    if backend == "simple_fsdp":
         apply_simple_fsdp(model, mesh[DP_DIMS], precision, cfg.parallelism.reshard_after_forward)
-        model.to_empty(device=device)
-        with raw_parameters():  # write the stored shards, not gathered temporaries
-            init_weights(model, cfg.training.seed)
-        return model
-    apply_fsdp(model, mesh[DP_DIMS], precision)
+    elif backend == "fsdp2":
+        apply_fsdp(model, mesh[DP_DIMS], precision)
     model.to_empty(device=device)
-    init_weights(model, cfg.training.seed)
+    with raw_parameters():  # SimpleFSDP: write the stored shards, not gathered temporaries
+        init_weights(model, cfg.training.seed)
+    if backend == "ddp":
+        # DistributedDataParallel wraps real parameters (it replicates them anyway), so it comes last.
+        return apply_ddp(model, mesh["dp_replicate"], precision, cfg.compile.autograd)
     return model
 
 
