@@ -13,13 +13,15 @@ import tyro
 
 from plait.config import ConfigError, parse_args, validate
 
-USAGE = """usage: plait {train,seed-checkpoint,export,bench} [options]
+USAGE = """usage: plait {train,seed-checkpoint,export,bench,compare,trace} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
   seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
   bench            measure layouts x precisions side by side (plait bench --help)
+  compare          train under several layouts from one seed, compare losses (plait compare --help)
+  trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...
 """
 
 
@@ -61,6 +63,18 @@ def bench(argv: list[str]) -> int:
     from plait.bench import main as bench_main
 
     return bench_main(argv)
+
+
+def compare(argv: list[str]) -> int:
+    from plait.compare import main as compare_main
+
+    return compare_main(argv)
+
+
+def trace(argv: list[str]) -> int:
+    from plait.trace import main as trace_main
+
+    return trace_main(argv)
 
 
 def seed_checkpoint(argv: list[str]) -> int:
@@ -110,7 +124,8 @@ def export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "seed-checkpoint": seed_checkpoint, "export": export, "bench": bench}
+COMMANDS = {"train": train, "seed-checkpoint": seed_checkpoint, "export": export, "bench": bench, "compare": compare,
+            "trace": trace}
 
 
 def main(argv: list[str] | None = None) -> int:

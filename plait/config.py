@@ -129,7 +129,10 @@ class Checkpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block (inductor)"""
+    """torch.compile (inductor): each transformer block, or with dp_backend simple_fsdp the whole model"""
+    bucketing: Literal["block", "none"] = "block"
+    """simple_fsdp compiled: block = the compiler merges each transformer block's per-parameter all-gathers
+    (and reduce-scatters) into one; none = one collective per parameter"""
     autograd: bool = False
     """compiled autograd for backward (dp_backend ddp only: it silently breaks FSDP2)"""
 
@@ -140,6 +143,16 @@ class Debug:
     """torch.use_deterministic_algorithms(True) and deterministic cuDNN/cuBLAS settings"""
     dtype_probe: str = ""
     """write the dtypes of step 1's matmuls and collectives, by phase, to this JSON file"""
+
+
+@dataclass
+class Profiling:
+    enable: bool = False
+    """record a torch.profiler trace (shapes and dtypes included) of profiling.steps steps on every rank"""
+    steps: int = 2
+    """steps to profile, starting after the first step (whose lazy initialisation would swamp the trace)"""
+    folder: str = "profiles"
+    """write one Chrome trace per rank here (rank{R}.json): open in Perfetto, summarise with `plait trace`"""
 
 
 @dataclass
@@ -157,6 +170,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
+    profiling: Profiling = field(default_factory=Profiling)
 
 
 def _sections(cls=JobConfig) -> dict[str, type]:
@@ -246,9 +260,6 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if p.dp_backend == "ddp" and p.tp > 1:
         raise ConfigError("parallelism.dp_backend: ddp cannot wrap tensor-parallel (DTensor) parameters; "
                           "use dp_backend fsdp2, where DDP+TP is fully_shard on the replicate dimension x tp")
-    if p.dp_backend == "simple_fsdp" and p.tp > 1:
-        raise ConfigError("parallelism.dp_backend: simple_fsdp does not compose with tensor parallelism yet; "
-                          "use dp_backend fsdp2 for FSDP2+TP / DDP+TP, or tp 1")
     if cfg.compile.autograd and p.dp_backend != "ddp":
         raise ConfigError("compile.autograd: compiled autograd silently stops FSDP2's gradient reduction after step 0 "
                           "(torch 2.13); allowed only with --parallelism.dp_backend ddp")
@@ -285,6 +296,14 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError("checkpoint.interval: set checkpoint.folder too (where should checkpoints go?)")
     if c.load and not Path(c.load).is_dir():
         raise ConfigError(f"checkpoint.load: {c.load!r} is not a folder")
+    prof = cfg.profiling
+    if prof.steps < 1:
+        raise ConfigError(f"profiling.steps: must be >= 1, got {prof.steps}")
+    if prof.enable and not prof.folder:
+        raise ConfigError("profiling.folder: must be a non-empty path when profiling.enable is set")
+    if prof.enable and t.steps < prof.steps + 1:
+        raise ConfigError(f"profiling.steps: {prof.steps} steps are profiled after the first, which needs "
+                          f"training.steps >= {prof.steps + 1}, got {t.steps}")
     if cfg.training.device == "cuda":
         import torch
 

@@ -26,6 +26,7 @@ from plait.model import cross_entropy, flops_per_token, model_args, num_params
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
 from plait.probe import DtypeProbe
+from plait.trace import StepProfiler
 
 
 class TrainingError(RuntimeError):
@@ -178,10 +179,11 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
               f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})\nplait: {precision.describe()}", flush=True)
 
     rows = []
+    profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     for step in range(done + 1, t.steps + 1):
         start = time.perf_counter()
         probe = DtypeProbe(contexts) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
-        with probe:
+        with probe, profiler.step(step):
             loss_sum = torch.zeros((), device=device)
             batches = loader.next_batches()
             for i, (inputs, labels) in enumerate(batches):

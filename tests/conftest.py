@@ -38,6 +38,62 @@ def run_plait(tmp_path: Path, *args: str, nproc: int = 1, check: bool = True, ti
     return rows, proc
 
 
+STEPS = ["--training.steps", "6"]
+FP32 = ["--training.mixed_precision_param", "float32"]
+AUTOCAST = ["--training.mixed_precision_mode", "autocast"]
+SIMPLE = ["--parallelism.dp_backend", "simple_fsdp"]
+TP2 = ["--parallelism.tp", "2"]
+
+
+def degrees(replicate: int, shard: int, tp: int = 1) -> list[str]:
+    return ["--parallelism.dp_replicate", str(replicate), "--parallelism.dp_shard", str(shard),
+            *(TP2 if tp == 2 else [])]
+
+
+# Every layout plait has, as (world, options). The single device accumulates two micro-batches,
+# so it sums the same two slices world-2 ranks hold, in the same order.
+LAYOUTS = {
+    "single": (1, ["--training.micro_batch_size", "2"]),
+    "ddp": (2, degrees(2, 1)),
+    "fsdp2": (2, degrees(1, 2)),
+    "classic_ddp": (2, ["--parallelism.dp_backend", "ddp", *degrees(2, 1)]),
+    "simple_fsdp": (2, [*SIMPLE, *degrees(1, 2)]),
+    "simple_ddp": (2, [*SIMPLE, *degrees(2, 1)]),
+    "tp": (2, degrees(1, 1, tp=2)),
+    "fsdp2_w4": (4, degrees(1, 4)),
+    "ddp_w4": (4, degrees(4, 1)),
+    "hsdp_w4": (4, degrees(2, 2)),
+    "ddp_tp": (4, degrees(2, 1, tp=2)),
+    "fsdp2_tp": (4, degrees(1, 2, tp=2)),
+    "simple_hsdp_w4": (4, [*SIMPLE, *degrees(2, 2)]),
+    "simple_ddp_tp": (4, [*SIMPLE, *degrees(2, 1, tp=2)]),
+    "simple_fsdp_tp": (4, [*SIMPLE, *degrees(1, 2, tp=2)]),
+}
+
+
+@pytest.fixture(scope="session")
+def train_once(tmp_path_factory):
+    """`train_once(world, *args)` -> (metric rows, step-1 dtype probe records). Each distinct
+    run happens once per test session (with the probe on) however many tests read it."""
+    cache = {}
+
+    def train(world: int, *args: str):
+        key = (world, args)
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp("run")
+            rows, _ = run_plait(tmp, *args, "--debug.dtype_probe", str(tmp / "probe.json"), nproc=world)
+            cache[key] = rows, json.loads((tmp / "probe.json").read_text())
+        return cache[key]
+
+    return train
+
+
+def layout_run(train_once, name: str, precision: list[str] = (), mode: list[str] = ()):
+    """A LAYOUTS entry trained for STEPS steps in the given precision options."""
+    world, args = LAYOUTS[name]
+    return train_once(world, *STEPS, *args, *precision, *mode)
+
+
 def losses(rows: list[dict]) -> list[float]:
     return [row["loss"] for row in rows]
 

@@ -48,6 +48,9 @@ def test_unknown_config_name_lists_named_configs():
     (["--parallelism.pp", "2"], "parallelism.pp"),
     (["--data.path", "/no/such/file.txt"], "data.path"),
     (["--data.tokenizer", "/no/such/tokenizer.json"], "data.tokenizer"),
+    (["--profiling.steps", "0"], "profiling.steps: must be >= 1"),
+    (["--profiling.enable", "--profiling.folder", ""], "profiling.folder"),
+    (["--profiling.enable", "--training.steps", "2"], "needs training.steps >= 3"),
 ])
 def test_validation_errors_name_the_option(argv, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -1,45 +1,34 @@
 """The mixed-precision contract: every layout computes in the dtype asked for and reduces
 gradients in the dtype asked for, proven from the ops that actually ran (the dtype probe)."""
 
-import json
-
 import pytest
 
-from conftest import losses, max_abs_diff, run_plait
+from conftest import AUTOCAST, FP32, layout_run, losses, max_abs_diff
 from plait.config import ConfigError, parse_args, validate
 
 pytestmark = pytest.mark.slow
-STEPS = ["--training.steps", "6"]
-AUTOCAST = ["--training.mixed_precision_mode", "autocast"]
 BF16_REDUCE = ["--training.mixed_precision_reduce", "bfloat16"]
-ACCUMULATE = ["--training.micro_batch_size", "2"]  # world 1 sees the two rank slices of world 2
-REPLICATE, SHARD = ["--parallelism.dp_replicate", "2"], ["--parallelism.dp_shard", "2"]
-CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", *REPLICATE]
+CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2"]
 
-LAYOUTS = {  # name: (world, args)
-    "single": (1, ACCUMULATE),
-    "ddp": (2, REPLICATE),
-    "fsdp": (2, SHARD),
-    "single_autocast": (1, [*ACCUMULATE, *AUTOCAST]),
-    "ddp_autocast": (2, [*REPLICATE, *AUTOCAST]),
-    "fsdp_autocast": (2, [*SHARD, *AUTOCAST]),
-    "classic_ddp_autocast": (2, [*CLASSIC_DDP, *AUTOCAST]),
-    "classic_ddp_autocast_bf16_reduce": (2, [*CLASSIC_DDP, *AUTOCAST, *BF16_REDUCE]),
-    "fsdp_bf16_reduce": (2, [*SHARD, *BF16_REDUCE]),
-    "hsdp_bf16_reduce": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *BF16_REDUCE]),
-    "single_fp32": (1, [*ACCUMULATE, "--training.mixed_precision_param", "float32"]),
+RUNS = {  # name: (layout in conftest.LAYOUTS, precision options, mode options)
+    "single": ("single", [], []),
+    "ddp": ("ddp", [], []),
+    "fsdp": ("fsdp2", [], []),
+    "single_autocast": ("single", [], AUTOCAST),
+    "ddp_autocast": ("ddp", [], AUTOCAST),
+    "fsdp_autocast": ("fsdp2", [], AUTOCAST),
+    "classic_ddp_autocast": ("classic_ddp", [], AUTOCAST),
+    "classic_ddp_autocast_bf16_reduce": ("classic_ddp", BF16_REDUCE, AUTOCAST),
+    "fsdp_bf16_reduce": ("fsdp2", BF16_REDUCE, []),
+    "hsdp_bf16_reduce": ("hsdp_w4", BF16_REDUCE, []),
+    "single_fp32": ("single", FP32, []),
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each layout trained once for 6 steps with the probe on; shared by the tests below."""
-    results = {}
-    for name, (world, args) in LAYOUTS.items():
-        tmp = tmp_path_factory.mktemp(name)
-        rows, _ = run_plait(tmp, *STEPS, *args, "--debug.dtype_probe", str(tmp / "probe.json"), nproc=world)
-        results[name] = rows, json.loads((tmp / "probe.json").read_text())
-    return results
+def runs(train_once):
+    """Each run trained once for 6 steps with the probe on (shared with the parity matrix)."""
+    return {name: layout_run(train_once, *spec) for name, spec in RUNS.items()}
 
 
 def dtypes(probe, phase, kind, ops=None):
@@ -49,15 +38,14 @@ def dtypes(probe, phase, kind, ops=None):
 GRAD_REDUCTIONS = {"_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "allreduce_", "allreduce_coalesced_"}
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single_fp32"])
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "single_fp32"])
 def test_every_layout_computes_in_bf16_and_reduces_in_the_asked_dtype(runs, name):
     _, probe = runs[name]
     reduce = "bfloat16" if "bf16_reduce" in name else "float32"
     assert dtypes(probe, "forward", "matmul") == {"bfloat16"}, probe
     assert dtypes(probe, "forward", "attention") == {"bfloat16"}
     assert dtypes(probe, "backward", "matmul") == {"bfloat16"}
-    world = LAYOUTS[name][0]
-    if world > 1:
+    if not name.startswith("single"):  # a single device reduces nothing
         assert dtypes(probe, "backward", "collective", GRAD_REDUCTIONS) == {reduce}, probe
 
 
@@ -68,7 +56,7 @@ def test_what_runs_in_bf16_differs_by_mode_as_documented(runs):
         assert dtypes(runs[name][1], "forward", "embedding") == {"bfloat16"}
     for name in ("single_autocast", "fsdp_autocast", "classic_ddp_autocast"):
         assert dtypes(runs[name][1], "forward", "embedding") == {"float32"}
-    for name in LAYOUTS:
+    for name in RUNS:
         assert dtypes(runs[name][1], "forward", "loss") == {"float32"}
 
 

@@ -1,58 +1,46 @@
-"""SimpleFSDP against FSDP2 and DDP: bitwise parity, the collectives that really ran, resharding,
-checkpoint interchange and compile."""
+"""SimpleFSDP against FSDP2 and DDP: parity with TP, the collectives that really ran,
+resharding, checkpoint interchange, whole-model compile and collective bucketing.
 
-import json
+Parity of every SimpleFSDP layout with the single device is in the parity matrix
+(test_parity.py); the runs here are shared with it through `train_once`.
+"""
+
 import shutil
 
 import pytest
 
-from conftest import losses, max_abs_diff, run_plait
+from conftest import AUTOCAST, FP32, SIMPLE, STEPS, LAYOUTS, layout_run, losses, max_abs_diff, run_plait
+from plait.trace import summarise
 
 pytestmark = pytest.mark.slow
-SIMPLE = ["--parallelism.dp_backend", "simple_fsdp"]
 SHARD2, REPLICATE2 = ["--parallelism.dp_shard", "2"], ["--parallelism.dp_replicate", "2"]
-FP32 = ["--training.mixed_precision_param", "float32"]
-RUNS = {  # name: (world, args)
-    "simple_shard_fp32": (2, [*SIMPLE, *SHARD2, *FP32]),
-    "simple_replicate_fp32": (2, [*SIMPLE, *REPLICATE2, *FP32]),
-    "fsdp2_fp32": (2, [*SHARD2, *FP32]),
-    "ddp_fp32": (2, [*REPLICATE2, *FP32]),
-    "simple_shard": (2, [*SIMPLE, *SHARD2]),
-    "simple_shard_no_reshard": (2, [*SIMPLE, *SHARD2, "--parallelism.no_reshard_after_forward"]),
-    "simple_replicate": (2, [*SIMPLE, *REPLICATE2]),
-    "simple_shard_autocast": (2, [*SIMPLE, *SHARD2, "--training.mixed_precision_mode", "autocast"]),
-    "fsdp2": (2, SHARD2),
-    "ddp": (2, REPLICATE2),
-    "simple_hybrid_w4": (4, [*SIMPLE, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
-    "fsdp2_w4": (4, ["--parallelism.dp_shard", "4"]),
-}
+N_PARAMS = 21  # debug model: 9 per block x 2 blocks + embedding, final norm, output
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    results = {}
-    for name, (world, args) in RUNS.items():
-        tmp = tmp_path_factory.mktemp(name)
-        rows, _ = run_plait(tmp, "--training.steps", "10", *args, "--debug.dtype_probe", str(tmp / "probe.json"),
-                            nproc=world)
-        results[name] = losses(rows), json.loads((tmp / "probe.json").read_text())
-    return results
+def simple_fsdp_run(train_once, *extra):
+    world, args = LAYOUTS["simple_fsdp"]
+    return train_once(world, *STEPS, *args, *extra)
 
 
-@pytest.mark.parametrize("suffix", ["_fp32", ""], ids=["fp32", "bf16"])
-def test_world2_simple_fsdp_equals_fsdp2_and_ddp_bitwise(runs, suffix):
-    """The seed discussion's open gap (replicate vs fully_shard under mixed precision) is
-    closed: both modes cast in redistribute and reduce fp32 gradients with an average."""
-    reference = runs[f"fsdp2{suffix}"][0]
-    for name in ("simple_shard", "simple_replicate", "ddp"):
-        assert runs[name + suffix][0] == reference, name
-    assert runs["simple_shard_no_reshard"][0] == runs["simple_shard"][0]
+@pytest.mark.parametrize("precision", [FP32, []], ids=["fp32", "bf16"])
+def test_ddp_tp_equals_fsdp_tp_and_the_fsdp2_backend(train_once, precision):
+    """2-D DTensors on (dp, tp): measured 0 between the three (fp32 and bf16); bound 1e-6."""
+    reference = losses(layout_run(train_once, "fsdp2_tp", precision)[0])
+    for name in ("simple_ddp_tp", "simple_fsdp_tp"):
+        diff = max_abs_diff(losses(layout_run(train_once, name, precision)[0]), reference)
+        print(f"\n{name} vs FSDP2 backend FSDP2+TP2 ({precision or 'bf16'}): {diff:.2e}")
+        assert diff <= 1e-6
 
 
-def test_world4_hybrid_within_1e6(runs):
-    hybrid = max_abs_diff(runs["simple_hybrid_w4"][0], runs["fsdp2_w4"][0])
+def test_world4_hybrid_within_1e6(train_once):
+    hybrid = max_abs_diff(losses(layout_run(train_once, "simple_hsdp_w4")[0]), losses(layout_run(train_once, "fsdp2_w4")[0]))
     print(f"\nbf16 world 4: SimpleFSDP hybrid(2x2) vs FSDP2(4) {hybrid:.2e}")
     assert hybrid <= 1e-6
+
+
+def test_reshard_after_forward_changes_memory_not_numerics(train_once):
+    assert losses(simple_fsdp_run(train_once, "--parallelism.no_reshard_after_forward")[0]) == \
+        losses(layout_run(train_once, "simple_fsdp")[0])
 
 
 def collectives(probe, phase):
@@ -60,31 +48,36 @@ def collectives(probe, phase):
             and r["op"] in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
 
 
-N_PARAMS = 21  # debug model: 9 per block x 2 blocks + embedding, final norm, output
-
-
-def test_collective_pattern_per_mode(runs):
-    """One collective per parameter (no bucketing), in the phase and dtype of the mode."""
-    shard = runs["simple_shard"][1]
+def test_collective_pattern_per_mode(train_once):
+    """Eager: one collective per parameter, in the phase and dtype of the mode."""
+    shard = layout_run(train_once, "simple_fsdp")[1]
     assert collectives(shard, "forward") == {("all_gather_into_tensor", "bfloat16"): N_PARAMS}
     # Backward: reduce-scatter in the reduce dtype, plus the re-gather of the blocks' parameters
     # that reshard-after-forward freed (the embedding/norm/output are used last, never freed).
     assert collectives(shard, "backward") == {("reduce_scatter_tensor", "float32"): N_PARAMS,
                                               ("all_gather_into_tensor", "bfloat16"): 18}
-    assert collectives(runs["simple_shard_no_reshard"][1], "backward") == {("reduce_scatter_tensor", "float32"): N_PARAMS}
-    replicate = runs["simple_replicate"][1]
+    no_reshard = simple_fsdp_run(train_once, "--parallelism.no_reshard_after_forward")[1]
+    assert collectives(no_reshard, "backward") == {("reduce_scatter_tensor", "float32"): N_PARAMS}
+    replicate = layout_run(train_once, "simple_ddp")[1]
     assert collectives(replicate, "forward") == {}
     assert collectives(replicate, "backward") == {("all_reduce", "float32"): N_PARAMS}
-    hybrid = runs["simple_hybrid_w4"][1]
+    hybrid = layout_run(train_once, "simple_hsdp_w4")[1]
     assert collectives(hybrid, "forward") == {("all_gather_into_tensor", "bfloat16"): N_PARAMS}
     assert set(collectives(hybrid, "backward")) >= {("reduce_scatter_tensor", "float32"), ("all_reduce", "float32")}
     # Autocast mode: parameters stay fp32, so they are gathered in fp32 and autocast casts per op.
-    assert collectives(runs["simple_shard_autocast"][1], "forward") == {("all_gather_into_tensor", "float32"): N_PARAMS}
+    autocast = simple_fsdp_run(train_once, *AUTOCAST)[1]
+    assert collectives(autocast, "forward") == {("all_gather_into_tensor", "float32"): N_PARAMS}
+    # With TP the parameter gathers (bf16) and TP's activation collectives (bf16) share the
+    # forward; backward adds the fp32 gradient reduce-scatters over dp_shard.
+    tp = layout_run(train_once, "simple_fsdp_tp")[1]
+    assert {dtypes for _, dtypes in collectives(tp, "forward")} == {"bfloat16"}
+    assert collectives(tp, "forward")[("all_gather_into_tensor", "bfloat16")] >= N_PARAMS
+    assert collectives(tp, "backward")[("reduce_scatter_tensor", "float32")] == N_PARAMS
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if "fp32" not in n and n.startswith("simple")])
-def test_dtype_probe_passes(runs, name):
-    probe = runs[name][1]
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("simple")])
+def test_dtype_probe_passes(train_once, name):
+    probe = layout_run(train_once, name)[1]
     for phase in ("forward", "backward"):
         assert {r["dtypes"] for r in probe if r["phase"] == phase and r["kind"] == "matmul"} == {"bfloat16"}
 
@@ -102,12 +95,27 @@ def test_checkpoints_interchange_with_fsdp2(tmp_path):
     assert losses(s2f) == losses(simple)[4:] and losses(f2s) == losses(simple)[4:]
 
 
-def test_compiled_simple_fsdp_matches_eager(tmp_path):
-    """Gathers, casts and reshard recomputation inside the compiled blocks; bound as in
-    test_compile (measured ~3e-4)."""
-    args = ["--training.steps", "6", *SIMPLE, *SHARD2]
-    eager, _ = run_plait(tmp_path, *args, nproc=2)
-    compiled, _ = run_plait(tmp_path, *args, "--compile.enable", nproc=2)
-    diff = max_abs_diff(losses(eager), losses(compiled))
-    print(f"\nSimpleFSDP compiled vs eager: {diff:.2e}")
-    assert diff <= 2e-3
+def test_whole_model_compile_buckets_collectives_per_block(tmp_path, train_once):
+    """The whole model is one graph, so inductor sees every gather and reduce-scatter and merges
+    them into buckets of about one block. Bucketing moves bytes, not arithmetic: the bucketed
+    and per-parameter compiled runs are bitwise equal. Compiled vs eager differ by fusion
+    (inductor keeps element-wise intermediates in fp32): measured ~3e-4, bound as in test_compile."""
+    world, args = LAYOUTS["simple_fsdp"]
+    runs = {}
+    for bucketing in ("block", "none"):
+        folder = tmp_path / bucketing
+        rows, _ = run_plait(tmp_path, *STEPS, *args, "--compile.enable", "--compile.bucketing", bucketing,
+                            "--profiling.enable", "--profiling.folder", str(folder), nproc=world)
+        calls = {}
+        for row in summarise(folder):
+            key = (row["phase"], row["kind"])
+            calls[key] = calls.get(key, 0) + row["calls_per_step"]
+        runs[bucketing] = losses(rows), calls
+    print(f"\ncollectives per rank and step: bucketed {runs['block'][1]}\nper parameter {runs['none'][1]}")
+    assert runs["block"][0] == runs["none"][0]
+    assert max_abs_diff(runs["block"][0], losses(layout_run(train_once, "simple_fsdp")[0])) <= 2e-3
+    per_parameter, bucketed = runs["none"][1], runs["block"][1]
+    assert per_parameter[("forward", "all_gather")] == N_PARAMS
+    assert per_parameter[("backward", "reduce_scatter")] == N_PARAMS
+    # About one bucket per block (+ the embedding/output), in each phase.
+    assert bucketed[("forward", "all_gather")] <= 4 and bucketed[("backward", "reduce_scatter")] <= 4

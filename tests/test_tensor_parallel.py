@@ -1,4 +1,7 @@
-"""Tensor parallelism and its compositions against the single-device and FSDP2 references."""
+"""Tensor parallelism and its compositions against the single-device reference.
+
+TP2, DDP2+TP2 and FSDP2+TP2 in fp32 and bf16 over 6 steps are rows of the parity matrix
+(test_parity.py); here: longer runs, SP/loss-parallel switches, world 8, dtypes, refusals."""
 
 import json
 
@@ -9,7 +12,6 @@ from conftest import losses, max_abs_diff, run_plait
 pytestmark = pytest.mark.slow
 FP32 = ["--training.mixed_precision_param", "float32"]
 TP2 = ["--parallelism.tp", "2"]
-DDP_TP = ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1", *TP2]
 FSDP_TP = ["--parallelism.dp_shard", "2", *TP2]
 
 
@@ -25,29 +27,6 @@ def test_tp2_matches_single_device_fp32_over_20_steps(tmp_path):
           f"TP2 without SP/loss parallel vs single: {max_abs_diff(losses(no_sp), losses(single)):.2e}")
     assert max_abs_diff(losses(tp), losses(single)) <= 1e-5
     assert max_abs_diff(losses(no_sp), losses(single)) <= 1e-5
-
-
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_ddp_tp_equals_fsdp_tp_at_world4(tmp_path, precision):
-    """Measured: fp32 bitwise, bf16 4.8e-7 (the shard/replicate gradient sums reorder)."""
-    steps = ["--training.steps", "8", "--training.mixed_precision_param", precision]
-    ddp_tp, _ = run_plait(tmp_path, *steps, *DDP_TP, nproc=4)
-    fsdp_tp, _ = run_plait(tmp_path, *steps, *FSDP_TP, nproc=4)
-    diff = max_abs_diff(losses(ddp_tp), losses(fsdp_tp))
-    print(f"\n{precision}: DDP2+TP2 vs FSDP2+TP2 {diff:.2e}")
-    assert diff <= 1e-6
-
-
-def test_tp2_bf16_vs_single_device(tmp_path):
-    """bf16 TP vs single device: the row-wise layers sum two bf16-rounded partial products where
-    the single device rounds once, so differences reach bf16 resolution of the activations.
-    Measured 2.2e-4 over 8 steps; bound 1e-3."""
-    steps = ["--training.steps", "8"]
-    single, _ = run_plait(tmp_path, *steps)
-    tp, _ = run_plait(tmp_path, *steps, *TP2, nproc=2)
-    diff = max_abs_diff(losses(tp), losses(single))
-    print(f"\nbf16 TP2 vs single: {diff:.2e}")
-    assert diff <= 1e-3
 
 
 def test_hsdp_tp_world8_matches_single_device(tmp_path):

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from plait.parallel.mesh import DP_DIMS
 from plait.precision import Precision
 
 _parametrization_on = True
@@ -40,20 +42,25 @@ def raw_parameters():
 
 
 class ReplicateComputation:
-    """Turns a stored DTensor parameter into the full compute tensor of this rank."""
+    """Turns a stored DTensor parameter into the compute tensor of this rank: the full tensor,
+    or under TP the rank's TP shard as a DTensor on the tp mesh (what the TP plan expects)."""
 
-    def __init__(self, mesh: DeviceMesh, precision: Precision):
-        self.mesh = mesh
+    def __init__(self, tp_mesh: DeviceMesh | None, precision: Precision):
+        self.tp_mesh = tp_mesh
         self.forward_dtype = precision.compute if precision.mode == "param" else None
         self.backward_dtype = precision.reduce
 
     def __call__(self, param: DTensor) -> torch.Tensor:
         if not _parametrization_on:
             return param
-        full = param.redistribute(placements=[Replicate()] * self.mesh.ndim, forward_dtype=self.forward_dtype,
+        tp = list(param.placements[len(DP_DIMS):])  # empty unless the parameter is TP-sharded
+        full = param.redistribute(placements=[Replicate()] * len(DP_DIMS) + tp, forward_dtype=self.forward_dtype,
                                   backward_dtype=self.backward_dtype)
-        # The gradient of the local copy is one rank's contribution: averaged over the mesh.
-        return full.to_local(grad_placements=[Partial("avg")] * self.mesh.ndim)
+        # The gradient of the local copy is one rank's contribution: averaged over the dp ranks.
+        local = full.to_local(grad_placements=[Partial("avg")] * len(DP_DIMS) + tp)
+        if not tp:
+            return local
+        return DTensor.from_local(local, self.tp_mesh, tp, run_check=False, shape=param.shape, stride=param.stride())
 
 
 # Outputs worth keeping from forward to backward; everything else in a block (the parameter
@@ -98,23 +105,59 @@ def _parametrize(module: nn.Module, compute: ReplicateComputation, classes: dict
     module.__class__ = classes[key]
 
 
-def apply_simple_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision, reshard: bool) -> None:
-    """Store every parameter as a DTensor on the dp mesh and parametrize its access."""
-    placements = [Replicate(), Shard(0)]
-    compute = ReplicateComputation(dp_mesh, precision)
+def storage_placements(param: torch.Tensor, tp_size: int) -> list:
+    """Where a parameter lives on the (dp_replicate, dp_shard[, tp]) mesh: replicated over
+    dp_replicate, split on dim 0 over dp_shard, and, for a TP DTensor, its TP placement kept.
+    When TP already splits dim 0, dp_shard splits each TP piece further; `_StridedShard` says
+    so (plain Shard(0) would mean dp_shard first, then tp: other rows per rank). This is the
+    layout FSDP2 gives the same parameter, so checkpoints move between the two backends."""
+    if not isinstance(param, DTensor):
+        return [Replicate(), Shard(0)]
+    (tp,) = param.placements
+    dp_shard = _StridedShard(0, split_factor=tp_size) if tp == Shard(0) else Shard(0)
+    return [Replicate(), dp_shard, tp]
+
+
+def apply_simple_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, reshard: bool) -> None:
+    """Store every parameter as a DTensor on the data-parallel mesh (with the tp dimension for
+    TP-sharded parameters) and parametrize its access."""
+    tp_mesh = mesh["tp"]
+    compute = ReplicateComputation(tp_mesh, precision)
     classes: dict = {}
     for module in list(model.modules()):
         params = dict(module.named_parameters(recurse=False))
         if not params:
             continue
         for name, param in params.items():
-            if isinstance(param, DTensor):
-                raise NotImplementedError("parallelism.dp_backend simple_fsdp: composing with tensor parallelism "
-                                          "is not implemented yet")
+            storage_mesh = mesh if isinstance(param, DTensor) else mesh[DP_DIMS]
             # src_data_rank=None: no communication; the values are filled in after `to_empty`.
-            stored = distribute_tensor(param, dp_mesh, placements, src_data_rank=None)
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            stored = distribute_tensor(full, storage_mesh, storage_placements(param, tp_mesh.size()), src_data_rank=None)
             module.register_parameter(name, nn.Parameter(stored, requires_grad=param.requires_grad))
         _parametrize(module, compute, classes)
-    if reshard and dp_mesh["dp_shard"].size() > 1:
+    if reshard and mesh["dp_shard"].size() > 1:
         for block in model.layers.values():
             reshard_after_forward(block)
+
+
+def compile_whole_model(model: nn.Module, precision: Precision, bucket_per_block: bool) -> None:
+    """torch.compile the model in place (FQNs unchanged), optionally bucketing its collectives.
+
+    Inductor's bucketing passes merge adjacent all-gathers (reduce-scatters) greedily up to a
+    size cap. Capping a bucket at one transformer block's parameter bytes gives about one
+    collective per block and phase: few collectives, while at most about a block's parameters
+    are gathered at once, as in FSDP2.
+    """
+    if bucket_per_block:
+        import torch._inductor.config as inductor
+
+        block_numel = sum(p.numel() for p in next(iter(model.layers.values())).parameters())
+        gathered = precision.compute if precision.mode == "param" else torch.float32
+        # Bytes / 2**20 is exact in floating point, so the cap is exactly one block.
+        inductor.bucket_all_gathers_fx = "all"
+        inductor.bucket_all_gathers_fx_bucket_size_determinator = \
+            lambda _: block_numel * gathered.itemsize / 2**20
+        inductor.bucket_reduce_scatters_fx = "all"
+        inductor.bucket_reduce_scatters_fx_bucket_size_determinator = \
+            lambda _: block_numel * precision.reduce.itemsize / 2**20
+    model.compile(fullgraph=True)

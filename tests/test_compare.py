@@ -1,0 +1,90 @@
+"""`plait compare` end to end on the tiny model: table, plot, golden files, bad overrides.
+
+Compares run in this process through `plait.cli.main` (the `plait` entry point), so torch is
+imported once; the training runs themselves are real `plait train` processes.
+"""
+
+import contextlib
+import io
+import json
+from collections import Counter
+
+import pytest
+
+from conftest import TINY
+from plait.cli import main
+from plait.compare import option_types
+
+pytestmark = pytest.mark.slow
+# Options shared by every run: TINY without its thread pin (compare pins threads itself), in fp32,
+# where single device, DDP and FSDP2 at world 2 are bitwise equal (tests/test_parity.py).
+THREADS = TINY.index("--training.threads")
+SHARED = ["--", *TINY[:THREADS], *TINY[THREADS + 2:], "--training.mixed_precision_param", "float32"]
+# Bitwise only if the single process accumulates the two rank slices of world 2, in their order.
+SINGLE = "nproc=1,micro_batch_size=2"
+AMBIGUOUS = min(key for key, n in Counter(name.split(".", 1)[1] for name in option_types()).items() if n > 1)
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """Single vs FSDP2 vs DDP at world 2, the reference exported as a golden file: (folder, exit code, stdout)."""
+    folder = tmp_path_factory.mktemp("compare")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["compare", "--out", str(folder / "out"), "--steps", "4", "--assert-equal",
+                     "--export", str(folder / "golden.json"),
+                     "--run", SINGLE, "--run", "dp_shard=2", "--run", "dp_replicate=2", *SHARED])
+    return folder, code, stdout.getvalue()
+
+
+def test_world2_layouts_bitwise_with_table_plot_and_losses(world2):
+    folder, code, stdout = world2
+    assert code == 0, stdout
+    assert f"| dp_shard=2 | 2 | {SINGLE} | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes |" in stdout
+    assert f"| dp_replicate=2 | 2 | {SINGLE} | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes |" in stdout
+    result = json.loads((folder / "out" / "losses.json").read_text())
+    assert [(r["run"], r["world"], len(r["loss"])) for r in result["runs"]] == [(SINGLE, 1, 4), ("dp_shard=2", 2, 4),
+                                                                                ("dp_replicate=2", 2, 4)]
+    assert result["runs"][0]["loss"][-1] < result["runs"][0]["loss"][0]
+    assert [row["bitwise"] for row in result["table"]] == [True, True]
+    assert (folder / "out" / "losses.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_golden_round_trip_then_doctored_golden_fails_naming_the_step(world2, tmp_path, capsys):
+    folder, code, _ = world2
+    assert code == 0
+    golden = json.loads((folder / "golden.json").read_text())
+    assert golden["run"] == SINGLE and golden["config"]["training.mixed_precision_param"] == "float32"
+    compare = ["compare", "--out", str(tmp_path / "out"), "--steps", "4", "--run", SINGLE]
+    assert main([*compare, "--assert-equal", "--golden", str(folder / "golden.json"), *SHARED]) == 0
+    assert f"| {SINGLE} | 1 | golden golden.json | 0.0e+00 |" in capsys.readouterr().out
+
+    golden["loss"][2] += 1e-3
+    (tmp_path / "doctored.json").write_text(json.dumps(golden))
+    assert main([*compare, "--atol", "1e-4", "--golden", str(tmp_path / "doctored.json"), *SHARED]) == 1
+    assert "golden doctored.json: loss differs by 1.0e-03 at step 3 (atol 0.0001)" in capsys.readouterr().err
+
+    # Another step count or shared option fails before anything runs.
+    assert main([*compare[:4], "5", *compare[5:], "--golden", str(folder / "golden.json"), *SHARED]) == 2
+    assert "holds 4 steps, this compare runs 5" in capsys.readouterr().err
+    assert main([*compare, "--golden", str(folder / "golden.json"), *SHARED, "--training.lr", "1e-3"]) == 2
+    assert "training.lr 0.002 (golden) vs 0.001" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("run, message", [
+    ("tpp=2", "tpp: unknown option in run 'tpp=2'; allowed: nproc, section.key, or one of ["),
+    (f"{AMBIGUOUS}=1", f"{AMBIGUOUS}: ambiguous in run '{AMBIGUOUS}=1', say which: "),
+    ("tp=two", "parallelism.tp: 'two' in run 'tp=two' is not int"),
+    ("sequence_parallel=maybe", "parallelism.sequence_parallel: 'maybe' in run 'sequence_parallel=maybe' is not true"),
+    ("mixed_precision_param=fp8", "training.mixed_precision_param: 'fp8' in run 'mixed_precision_param=fp8' is not one"),
+    ("seed=1", "training.seed: must be the same in every run"),
+    ("threads=2", "training.threads: set by plait compare"),
+    ("nproc=3,dp_shard=2", "run 'nproc=3,dp_shard=2' (world 3): parallelism: dp_replicate(1) x dp_shard(2)"),
+    ("tp=3", "run 'tp=3' (world 3): parallelism.tp: 3 does not divide the model n_heads"),
+])
+def test_bad_override_fails_with_one_line_before_any_run(run, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["compare", "--out", str(out), "--run", "dp_shard=2", "--run", run, *SHARED]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plait: error: ") and message in err and err.count("\n") == 1, err
+    assert not out.exists()  # not even the seed checkpoint was written

@@ -1,0 +1,101 @@
+"""Profiler traces: `--profiling.enable` writes one Chrome trace per rank, and `plait trace` reads
+from them which collectives each layout really ran, by phase and dtype."""
+
+import pytest
+
+from conftest import run_plait
+from plait.cli import main
+from plait.trace import summarise
+
+LAYOUTS = {
+    "fsdp2": ["--parallelism.dp_shard", "2"],
+    "ddp_bf16_reduce": ["--parallelism.dp_replicate", "2", "--training.mixed_precision_reduce", "bfloat16"],
+    "tp": ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
+}
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """layout -> its trace folder: one profiled 2-rank run per layout, started on first use."""
+    folders = {}
+
+    def folder_of(layout: str):
+        if layout not in folders:
+            folder = tmp_path_factory.mktemp(layout) / "traces"
+            folder.mkdir()
+            (folder / "rank2.json").write_text("{}")  # left by an earlier, larger job: must go
+            run_plait(folder.parent, *LAYOUTS[layout], "--training.steps", "3", "--profiling.enable",
+                      "--profiling.folder", str(folder), nproc=2)
+            folders[layout] = folder
+        return folders[layout]
+
+    return folder_of
+
+
+def trace(capsys, *argv):
+    """`plait trace ARGV`: (exit code, stdout, stderr)."""
+    code = main(["trace", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.slow
+def test_fsdp2_gathers_bf16_in_forward_and_reduce_scatters_fp32_in_backward(traces, capsys):
+    folder = traces("fsdp2")
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.json", "rank1.json"]
+    code, out, err = trace(capsys, folder, "--expect", "forward:all_gather:bf16",
+                           "--expect", "backward:reduce_scatter:fp32", "--expect", "forward:!all_reduce",
+                           "--expect", "optimizer:!all_gather")
+    assert code == 0, out + err
+    assert "2 rank(s) x 2 step(s)" in out and "4 expectation(s) hold on 2 rank(s)" in out
+    rows = summarise(folder)
+    assert {r["dtype"] for r in rows if (r["phase"], r["kind"]) == ("forward", "all_gather")} == {"bfloat16"}
+    assert {r["dtype"] for r in rows if r["kind"] == "reduce_scatter"} == {"float32"}
+    assert all(r["ranks"] == 2 and r["bytes_per_step"] for r in rows)
+
+
+@pytest.mark.slow
+def test_failed_expectations_exit_1_and_are_listed(traces, capsys):
+    folder = traces("fsdp2")
+    code, _, err = trace(capsys, folder, "--rank", 1, "--expect", "forward:all_gather:fp32",
+                         "--expect", "backward:!reduce_scatter", "--expect", "optimizer:broadcast")
+    assert code == 1
+    assert err.splitlines() == [
+        "plait trace: expectation failed: forward:all_gather:fp32: rank 1: ran only in bfloat16 x6",
+        "plait trace: expectation failed: backward:!reduce_scatter: rank 1: ran 6 times",
+        "plait trace: expectation failed: optimizer:broadcast: rank 1: did not run"]
+
+
+@pytest.mark.slow
+def test_ddp_all_reduces_in_backward_in_the_asked_reduce_dtype(traces, capsys):
+    folder = traces("ddp_bf16_reduce")
+    code, out, err = trace(capsys, folder, "--expect", "backward:all_reduce:bf16", "--expect", "forward:!all_gather",
+                           "--expect", "backward:!reduce_scatter")
+    assert code == 0, out + err
+    # Every gradient collective travelled in bf16; gloo records the list-taking allreduce_ as
+    # "TensorList", so this also proves the dtype was recovered from gloo's own event.
+    assert {r["dtype"] for r in summarise(folder) if r["phase"] == "backward"} == {"bfloat16"}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_communicates_in_forward_and_backward(traces, capsys):
+    code, out, err = trace(capsys, traces("tp"), "--expect", "forward:all_gather:bf16",
+                           "--expect", "forward:reduce_scatter:bf16", "--expect", "backward:all_gather:bf16",
+                           "--expect", "backward:reduce_scatter:bf16")
+    assert code == 0, out + err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["{tmp}/missing"], "does not exist"),
+    (["{tmp}"], "no trace rank*.json"),
+    (["{tmp}", "--expect", "forward:allgather"], "phases: forward, backward, optimizer, step; kinds: all_gather"),
+    (["{tmp}", "--expect", "forward:!all_gather:bf16"], "is not phase:kind:dtype"),
+    (["{tmp}", "--expect", "forward:all_gather:bf17"], "dtypes: bfloat16"),
+    (["{tmp}/truncated"], "rank0.json is not a complete Chrome trace"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, fragment):
+    (tmp_path / "truncated").mkdir()
+    (tmp_path / "truncated" / "rank0.json").write_text('{"traceEvents": [')
+    code, out, err = trace(capsys, *(a.format(tmp=tmp_path) for a in argv))
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("plait: error: ") and fragment in err
