@@ -1,8 +1,14 @@
 """`plait bench`: layouts x precisions measured side by side in one invocation.
 
 Each row is a real `plait train` run (under torchrun for world > 1) on the same model, data
-and batch; tokens/s is the median over the steps after warm-up. Machines are noisy, so only
-ratios between rows of the same invocation mean much.
+and batch, and `raw_pytorch` is the plainest PyTorch loop of the same model
+(plait/baseline.py): the yardstick for plait's overhead. Per row and precision: tokens/s and
+MFU (medians over the steps after warm-up), tokens/s over the raw loop's in the same precision,
+peak memory, the exact memory of parameters + gradients + optimizer state on rank 0, and the
+collectives rank 0 issues per step, counted in a profiler trace of one extra step after the
+measured ones. Not a warm-up step: the profiler's buffers stay resident once freed, so on a CPU
+they would raise the peak memory of every later step (by about 1 GiB on small). Machines are noisy:
+only ratios between rows of one invocation mean much.
 """
 
 from __future__ import annotations
@@ -12,25 +18,30 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import typing
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 import tyro
 
-from plait.config import ConfigError
+from plait.config import ConfigError, Flavor
+from plait.trace import summarise
 
-
-Row = Literal["single", "ddp", "ddp_classic", "fsdp2", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp",
-              "simple_fsdp_compiled", "fsdp2_compiled"]
+Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
+              "fsdp2_compiled", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp"]
+DTYPES = ("float32", "bfloat16")
+STATE_REFERENCE = ("ddp", "ddp_classic")  # the unsharded state the sharded rows are compared to
+SHARDED = ("fsdp2", "simple_fsdp")
 
 
 @dataclass
 class BenchConfig:
-    rows: tuple[Row, ...] = ("single", "ddp", "ddp_classic", "fsdp2")
+    rows: tuple[Row, ...] = typing.get_args(Row)
     """layouts to measure (tp rows use nproc ranks for TP alone, 2 x nproc with data parallelism)"""
-    flavor: str = "small"
-    """model.flavor of every row"""
+    flavor: Flavor | None = None
+    """model.flavor of every row; default: small, and on a GPU llama3_1b as well"""
     steps: int = 6
     """optimizer steps per row; the first `warmup` are not measured"""
     warmup: int = 2
@@ -42,91 +53,170 @@ class BenchConfig:
     threads: int = 0
     """CPU threads per rank; 0 = cores / ranks, so every row uses the whole machine"""
     out: str = ""
-    """also write the table as JSON (FILE.json) and markdown (FILE.md)"""
+    """also write the tables as JSON (FILE.json, every number) and markdown (FILE.md)"""
 
 
 def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
     """row: (description, world size, extra flags); every row runs in fp32 and in bf16."""
     n = str(nproc)
     tp = ["--parallelism.tp", "2"]
+    simple = ["--parallelism.dp_backend", "simple_fsdp", "--parallelism.dp_shard", n]
     return {
+        "raw_pytorch": ("raw PyTorch loop (no plait)", 1, []),
         "single": ("single device", 1, []),
         "ddp": ("DDP (fully_shard, replicate mesh)", nproc, ["--parallelism.dp_replicate", n]),
         "ddp_classic": ("DDP (classic, autocast)", nproc, ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate",
                                                           n, "--training.mixed_precision_mode", "autocast"]),
         "fsdp2": ("FSDP2", nproc, ["--parallelism.dp_shard", n]),
+        "simple_fsdp": ("SimpleFSDP fully_shard", nproc, simple),
+        "simple_fsdp_compiled": ("SimpleFSDP fully_shard, compiled", nproc, [*simple, "--compile.enable"]),
+        "fsdp2_compiled": ("FSDP2, compiled", nproc, ["--parallelism.dp_shard", n, "--compile.enable"]),
         "tp": ("TP2", 2, tp),
         "ddp_tp": (f"DDP{n}+TP2", 2 * nproc, ["--parallelism.dp_replicate", n, "--parallelism.dp_shard", "1", *tp]),
         "fsdp2_tp": (f"FSDP2({n})+TP2", 2 * nproc, ["--parallelism.dp_shard", n, *tp]),
-        "simple_fsdp": ("SimpleFSDP fully_shard", nproc, ["--parallelism.dp_backend", "simple_fsdp",
-                                                          "--parallelism.dp_shard", n]),
-        "simple_fsdp_compiled": ("SimpleFSDP fully_shard, compiled", nproc,
-                                 ["--parallelism.dp_backend", "simple_fsdp", "--parallelism.dp_shard", n,
-                                  "--compile.enable"]),
-        "fsdp2_compiled": ("FSDP2, compiled", nproc, ["--parallelism.dp_shard", n, "--compile.enable"]),
+        "simple_fsdp_tp": (f"SimpleFSDP({n})+TP2", 2 * nproc, [*simple, *tp]),
     }
 
 
-def run_row(cfg: BenchConfig, world: int, flags: list[str], dtype: str, folder: Path) -> dict:
-    metrics = folder / f"{len(list(folder.iterdir()))}.jsonl"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
-        if world > 1 else [sys.executable]
-    command = [*launcher, "-m", "plait", "train", "--model.flavor", cfg.flavor, "--training.steps", str(cfg.steps),
-               "--training.seq_len", str(cfg.seq_len), "--training.global_batch_size", str(cfg.global_batch_size),
-               "--training.warmup_steps", "1", "--training.mixed_precision_param", dtype,
-               "--training.threads", str(cfg.threads), "--metrics.jsonl", str(metrics), *flags]
+def flavors(cfg: BenchConfig) -> list[str]:
+    if cfg.flavor:
+        return [cfg.flavor]
+    # small is a CPU-sized model; on a GPU it measures launch overhead more than the layouts.
+    return ["small", "llama3_1b"] if torch.cuda.is_available() else ["small"]
+
+
+def gpus_missing(world: int) -> bool:
+    """A GPU machine with fewer GPUs than ranks cannot run the row (one GPU per rank)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() < world
+
+
+def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str], dtype: str, folder: Path) -> dict:
+    """One training run: its medians and peaks, state memory and collectives per step."""
+    folder.mkdir(parents=True)
+    if key == "raw_pytorch":
+        # plait's single-device row has dp 1, so micro-batch = global batch: the same one forward.
+        command = [sys.executable, "-m", "plait.baseline", "--flavor", flavor, "--steps", str(cfg.steps),
+                   "--seq_len", str(cfg.seq_len), "--batch_size", str(cfg.global_batch_size), "--dtype", dtype,
+                   "--threads", str(cfg.threads)]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
+            if world > 1 else [sys.executable]
+        profiled = str(cfg.steps + 1)
+        command = [*launcher, "-m", "plait", "train", "--model.flavor", flavor, "--training.steps", profiled,
+                   "--training.seq_len", str(cfg.seq_len), "--training.global_batch_size", str(cfg.global_batch_size),
+                   "--training.warmup_steps", "1", "--training.mixed_precision_param", dtype,
+                   "--training.threads", str(cfg.threads), "--metrics.jsonl", str(folder / "metrics.jsonl"),
+                   "--profiling.enable", "--profiling.start_step", profiled, "--profiling.steps", "1",
+                   "--profiling.folder", str(folder / "trace"), *flags]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench row failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()][cfg.warmup:]
-    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in rows),
-            "mfu": statistics.median(r["mfu"] for r in rows),
-            "memory_gib": max(r["memory_gib"] for r in rows)}
+    lines = proc.stdout if key == "raw_pytorch" else (folder / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
+    measured = [r for r in rows if cfg.warmup < r["step"] <= cfg.steps]
+    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
+            "mfu": statistics.median(r["mfu"] for r in measured),
+            "memory_gib": max(r["memory_gib"] for r in measured),
+            "state_gib": rows[0]["state_gib"],
+            **(collectives(folder / "trace") if key != "raw_pytorch" else
+               {"collectives_per_step": 0.0, "bookkeeping_collectives_per_step": 0.0})}
 
 
-def bench(cfg: BenchConfig) -> list[dict]:
+def collectives(trace: Path) -> dict:
+    """Rank 0's collectives per step: those of forward, backward and optimizer, and apart from
+    them the bookkeeping between (the loss and grad-norm reductions), which every layout pays."""
+    rows = summarise(trace, rank=0)
+    return {"collectives_per_step": sum(r["calls_per_step"] for r in rows if r["phase"] != "step"),
+            "bookkeeping_collectives_per_step": sum(r["calls_per_step"] for r in rows if r["phase"] == "step")}
+
+
+def bench(cfg: BenchConfig) -> dict:
     if cfg.steps <= cfg.warmup:
         raise ConfigError(f"steps: must exceed warmup ({cfg.warmup}), got {cfg.steps}")
     table = []
-    with tempfile.TemporaryDirectory() as folder:
-        for key in cfg.rows:
-            name, world, flags = layouts(cfg.nproc)[key]
-            row = {"layout": name, "world": world}
-            try:
-                for dtype in ("float32", "bfloat16"):
-                    print(f"bench: {name}, {dtype} ...", file=sys.stderr, flush=True)
-                    for metric, value in run_row(cfg, world, flags, dtype, Path(folder)).items():
-                        row[f"{dtype}_{metric}"] = value
-            except RuntimeError as e:  # one broken row must not cost the others' measurements
-                print(f"bench: {name} FAILED, left out of the table:\n{e}", file=sys.stderr, flush=True)
-                continue
-            row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
-            print(f"bench: {name}: {row['float32_tokens_per_sec']:.0f} tok/s fp32, "
-                  f"{row['bfloat16_tokens_per_sec']:.0f} tok/s bf16", file=sys.stderr, flush=True)
-            table.append(row)
-    return table
+    with tempfile.TemporaryDirectory() as tmp:
+        for flavor in flavors(cfg):
+            for key in cfg.rows:
+                name, world, flags = layouts(cfg.nproc)[key]
+                if gpus_missing(world):
+                    print(f"bench: {name} skipped: it needs {world} GPUs", file=sys.stderr, flush=True)
+                    continue
+                row = {"flavor": flavor, "key": key, "layout": name, "world": world}
+                try:
+                    for dtype in DTYPES:
+                        print(f"bench: {flavor}, {name}, {dtype} ...", file=sys.stderr, flush=True)
+                        folder = Path(tmp) / f"{flavor}-{key}-{dtype}"
+                        for metric, value in run_row(cfg, flavor, key, world, flags, dtype, folder).items():
+                            row[f"{dtype}_{metric}"] = value
+                except (RuntimeError, ConfigError) as e:  # one broken row must not cost the others' measurements
+                    print(f"bench: {name} FAILED, left out of the table:\n{e}", file=sys.stderr, flush=True)
+                    continue
+                row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
+                print(f"bench: {name}: {row['float32_tokens_per_sec']:.0f} tok/s fp32, "
+                      f"{row['bfloat16_tokens_per_sec']:.0f} tok/s bf16", file=sys.stderr, flush=True)
+                table.append(row)
+    add_vs_raw(table)
+    return {"settings": asdict(cfg), "rows": table, "state_ratios": state_ratios(table)}
 
 
-def markdown(table: list[dict], cfg: BenchConfig) -> str:
-    lines = [f"flavor {cfg.flavor}, seq {cfg.seq_len}, global batch {cfg.global_batch_size}, "
-             f"median of steps {cfg.warmup + 1}-{cfg.steps}",
-             "",
-             "| layout | world | fp32 tok/s | fp32 MFU | bf16 tok/s | bf16 MFU | bf16/fp32 | peak mem GiB (bf16) |",
-             "|---|---|---|---|---|---|---|---|"]
+def add_vs_raw(table: list[dict]) -> None:
+    """tokens/s over the raw loop's of the same flavor and precision: < 1 is slower than raw PyTorch."""
+    raw = {r["flavor"]: r for r in table if r["key"] == "raw_pytorch"}
     for r in table:
-        lines.append(f"| {r['layout']} | {r['world']} | {r['float32_tokens_per_sec']:.0f} | {100 * r['float32_mfu']:.1f}% "
-                     f"| {r['bfloat16_tokens_per_sec']:.0f} | {100 * r['bfloat16_mfu']:.1f}% | {r['bf16_speedup']:.2f}x "
-                     f"| {r['bfloat16_memory_gib']:.2f} |")
-    return "\n".join(lines)
+        for dtype in DTYPES:
+            base = raw.get(r["flavor"])
+            r[f"{dtype}_vs_raw"] = r[f"{dtype}_tokens_per_sec"] / base[f"{dtype}_tokens_per_sec"] if base else None
+
+
+def state_ratios(table: list[dict]) -> list[dict]:
+    """State memory per rank of each sharded layout over DDP's at the same world size (bf16 runs;
+    fp32 holds the same fp32 parameters, gradients and AdamW state)."""
+    ratios = []
+    for flavor in dict.fromkeys(r["flavor"] for r in table):
+        rows = {r["key"]: r for r in table if r["flavor"] == flavor}
+        reference = next((rows[k] for k in STATE_REFERENCE if k in rows), None)
+        for key in SHARDED:
+            if reference and key in rows:
+                ratios.append({"flavor": flavor, "world": rows[key]["world"], "layout": rows[key]["layout"],
+                               "reference": reference["layout"],
+                               "ratio": rows[key]["bfloat16_state_gib"] / reference["bfloat16_state_gib"]})
+    return ratios
+
+
+def markdown(result: dict) -> str:
+    cfg = result["settings"]
+    lines = []
+    for flavor in dict.fromkeys(r["flavor"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["flavor"] == flavor]
+        lines += [f"flavor {flavor}, seq {cfg['seq_len']}, global batch {cfg['global_batch_size']}, "
+                  f"median of steps {cfg['warmup'] + 1}-{cfg['steps']}; state = parameters + gradients + optimizer "
+                  f"state on rank 0; collectives per step on rank 0, loss and grad-norm reductions left out", ""]
+        for dtype, short in zip(DTYPES, ("fp32", "bf16")):
+            speedup = " vs fp32 |" if dtype == "bfloat16" else ""
+            lines += [f"| layout | world | {short} tok/s | MFU | vs raw |{speedup} peak mem GiB | state GiB/rank "
+                      f"| collectives/step |",
+                      "|---|---|---|---|---|---|---|---|" + "---|" * bool(speedup)]
+            for r in rows:
+                vs_raw = r[f"{dtype}_vs_raw"]
+                lines.append(f"| {r['layout']} | {r['world']} | {r[f'{dtype}_tokens_per_sec']:.0f} "
+                             f"| {100 * r[f'{dtype}_mfu']:.1f}% | {'-' if vs_raw is None else f'{vs_raw:.2f}x'} |"
+                             + (f" {r['bf16_speedup']:.2f}x |" if speedup else "")
+                             + f" {r[f'{dtype}_memory_gib']:.2f} | {r[f'{dtype}_state_gib']:.3g} "
+                             f"| {r[f'{dtype}_collectives_per_step']:g} |")
+            lines.append("")
+        lines += [f"{s['layout']} state per rank / {s['reference']} state per rank at world {s['world']}: "
+                  f"{s['ratio']:.2f}" for s in result["state_ratios"] if s["flavor"] == flavor]
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def main(argv: list[str]) -> int:
     cfg = tyro.cli(BenchConfig, args=argv, prog="plait bench", use_underscores=True)
-    table = bench(cfg)
-    text = markdown(table, cfg)
+    result = bench(cfg)
+    text = markdown(result)
     print(text)
     if cfg.out:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.out).with_suffix(".json").write_text(json.dumps(table, indent=1))
+        Path(cfg.out).with_suffix(".json").write_text(json.dumps(result, indent=1))
         Path(cfg.out).with_suffix(".md").write_text(text + "\n")
     return 0

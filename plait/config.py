@@ -18,7 +18,7 @@ from typing import Literal
 
 import tyro
 
-Flavor = Literal["debug", "small", "llama3_8b", "llama3_70b", "llama3_405b"]
+Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b"]
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -151,6 +151,8 @@ class Profiling:
     """record a torch.profiler trace (shapes and dtypes included) of profiling.steps steps on every rank"""
     steps: int = 2
     """steps to profile, starting after the first step (whose lazy initialisation would swamp the trace)"""
+    start_step: int = 0
+    """first step to profile; 0 = the step after the first (`plait bench` profiles one after those it measures)"""
     folder: str = "profiles"
     """write one Chrome trace per rank here (rank{R}.json): open in Perfetto, summarise with `plait trace`"""
 
@@ -301,9 +303,12 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(f"profiling.steps: must be >= 1, got {prof.steps}")
     if prof.enable and not prof.folder:
         raise ConfigError("profiling.folder: must be a non-empty path when profiling.enable is set")
-    if prof.enable and t.steps < prof.steps + 1:
-        raise ConfigError(f"profiling.steps: {prof.steps} steps are profiled after the first, which needs "
-                          f"training.steps >= {prof.steps + 1}, got {t.steps}")
+    if prof.start_step < 0:
+        raise ConfigError(f"profiling.start_step: must be >= 0, got {prof.start_step}")
+    last_profiled = (prof.start_step or 2) + prof.steps - 1
+    if prof.enable and t.steps < last_profiled:
+        raise ConfigError(f"profiling.steps: profiling {prof.steps} steps from step {prof.start_step or 2} "
+                          f"needs training.steps >= {last_profiled}, got {t.steps}")
     if cfg.training.device == "cuda":
         import torch
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from plait.data import cache_dir, cached_file
 
@@ -61,6 +62,19 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def state_memory_gib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """GiB of parameters, gradients and optimizer state this rank holds, counting a DTensor's
+    local shard only: exact where peak memory (activations, gathered parameters, allocator or
+    RSS slack) blurs what sharding saves. Call it between the optimizer step and zero_grad,
+    while gradients exist. Communication buffers (DDP's buckets, FSDP2's gather buffers) are
+    workspace, not state, and are not counted."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local) / 2**30
 
 
 class MetricsLogger:

@@ -44,6 +44,10 @@ class ModelArgs:
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
+    # Llama 3.2 1B's shape (FFN hidden 8192) with an untied output layer and a vocabulary
+    # from the tokenizer: a model that fills a GPU where small would not.
+    "llama3_1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=0,
+                           multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000.0),
     "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                            multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
     "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,

@@ -42,11 +42,14 @@ FUNCTIONAL_GATHERS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functio
 
 
 class StepProfiler:
-    """Profiles `cfg.steps` steps after the first, whose lazy initialisation would swamp the trace."""
+    """Profiles `cfg.steps` steps from `cfg.start_step`, by default from the step after the first,
+    whose lazy initialisation would swamp the trace."""
 
     def __init__(self, cfg: Profiling, first_step: int, last_step: int, device_type: str):
         self.enabled, self.folder, self.cuda = cfg.enable, Path(cfg.folder), device_type == "cuda"
-        self.start, self.stop = first_step + 1, min(first_step + cfg.steps, last_step)
+        first = cfg.start_step or first_step + 1
+        # A resumed run profiles what is left of the asked steps (nothing if it resumed past them).
+        self.start, self.stop = max(first, first_step), min(first + cfg.steps - 1, last_step)
         self.profile = None
 
     @contextlib.contextmanager

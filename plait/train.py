@@ -21,7 +21,7 @@ from plait import hf, parallel
 from plait.checkpoint import Checkpointer, check_compatible, latest_complete
 from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
 from plait.data import BatchLoader, tokenize_corpus
-from plait.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from plait.metrics import MetricsLogger, peak_flops, peak_memory_gib, state_memory_gib
 from plait.model import cross_entropy, flops_per_token, model_args, num_params
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
@@ -178,7 +178,7 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
               f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})\nplait: {precision.describe()}", flush=True)
 
-    rows = []
+    rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     for step in range(done + 1, t.steps + 1):
         start = time.perf_counter()
@@ -203,6 +203,8 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
             lr = scheduler.get_last_lr()[0]
             with contexts.optimizer():
                 optimizer.step()
+                if state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
+                    state_gib = state_memory_gib(model, optimizer)
                 optimizer.zero_grad(set_to_none=True)
             scheduler.step()
         if isinstance(probe, DtypeProbe) and rank == 0:
@@ -214,7 +216,7 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
             tokens_per_sec = tokens_per_step / elapsed
             row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "tokens_per_sec": tokens_per_sec, "mfu": flops * tokens_per_sec / (peak * dist.get_world_size()),
-                   "memory_gib": peak_memory_gib(device), "step_time": elapsed}
+                   "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
             logger.log(row)
             rows.append(row)
         checkpointer.maybe_save(step)

@@ -7,10 +7,11 @@ from conftest import run_plait
 from plait.cli import main
 from plait.trace import summarise
 
-LAYOUTS = {
-    "fsdp2": ["--parallelism.dp_shard", "2"],
-    "ddp_bf16_reduce": ["--parallelism.dp_replicate", "2", "--training.mixed_precision_reduce", "bfloat16"],
-    "tp": ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
+LAYOUTS = {  # name: (world, options)
+    "fsdp2": (2, ["--parallelism.dp_shard", "2"]),
+    "ddp_bf16_reduce": (2, ["--parallelism.dp_replicate", "2", "--training.mixed_precision_reduce", "bfloat16"]),
+    "tp": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
+    "hsdp": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
 }
 
 
@@ -24,8 +25,9 @@ def traces(tmp_path_factory):
             folder = tmp_path_factory.mktemp(layout) / "traces"
             folder.mkdir()
             (folder / "rank2.json").write_text("{}")  # left by an earlier, larger job: must go
-            run_plait(folder.parent, *LAYOUTS[layout], "--training.steps", "3", "--profiling.enable",
-                      "--profiling.folder", str(folder), nproc=2)
+            world, args = LAYOUTS[layout]
+            run_plait(folder.parent, *args, "--training.steps", "3", "--profiling.enable",
+                      "--profiling.folder", str(folder), nproc=world)
             folders[layout] = folder
         return folders[layout]
 
@@ -45,9 +47,9 @@ def test_fsdp2_gathers_bf16_in_forward_and_reduce_scatters_fp32_in_backward(trac
     assert sorted(p.name for p in folder.iterdir()) == ["rank0.json", "rank1.json"]
     code, out, err = trace(capsys, folder, "--expect", "forward:all_gather:bf16",
                            "--expect", "backward:reduce_scatter:fp32", "--expect", "forward:!all_reduce",
-                           "--expect", "optimizer:!all_gather")
+                           "--expect", "backward:!all_reduce", "--expect", "optimizer:!all_gather")
     assert code == 0, out + err
-    assert "2 rank(s) x 2 step(s)" in out and "4 expectation(s) hold on 2 rank(s)" in out
+    assert "2 rank(s) x 2 step(s)" in out and "5 expectation(s) hold on 2 rank(s)" in out
     rows = summarise(folder)
     assert {r["dtype"] for r in rows if (r["phase"], r["kind"]) == ("forward", "all_gather")} == {"bfloat16"}
     assert {r["dtype"] for r in rows if r["kind"] == "reduce_scatter"} == {"float32"}
@@ -75,6 +77,14 @@ def test_ddp_all_reduces_in_backward_in_the_asked_reduce_dtype(traces, capsys):
     # Every gradient collective travelled in bf16; gloo records the list-taking allreduce_ as
     # "TensorList", so this also proves the dtype was recovered from gloo's own event.
     assert {r["dtype"] for r in summarise(folder) if r["phase"] == "backward"} == {"bfloat16"}
+
+
+@pytest.mark.slow
+def test_hsdp_shards_within_and_all_reduces_across_replicas(traces, capsys):
+    code, out, err = trace(capsys, traces("hsdp"), "--expect", "forward:all_gather:bf16",
+                           "--expect", "backward:reduce_scatter:fp32", "--expect", "backward:all_reduce:fp32",
+                           "--expect", "forward:!all_reduce")
+    assert code == 0, out + err
 
 
 @pytest.mark.slow
