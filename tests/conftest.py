@@ -60,8 +60,6 @@ LAYOUTS = {
     "simple_fsdp": (2, [*SIMPLE, *degrees(1, 2)]),
     "simple_ddp": (2, [*SIMPLE, *degrees(2, 1)]),
     "tp": (2, degrees(1, 1, tp=2)),
-    "fsdp2_w4": (4, degrees(1, 4)),
-    "ddp_w4": (4, degrees(4, 1)),
     "hsdp_w4": (4, degrees(2, 2)),
     "ddp_tp": (4, degrees(2, 1, tp=2)),
     "fsdp2_tp": (4, degrees(1, 2, tp=2)),

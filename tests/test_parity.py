@@ -29,7 +29,7 @@ TOLERANCE = {  # (layout, precision): tolerance against the single device
     **{(name, "fp32"): BITWISE for name in WORLD2_DP},
     **{(name, "bf16"): BITWISE for name in WORLD2_DP},
     ("tp", "fp32"): FP32_TP, ("tp", "bf16"): BF16_REORDERED,
-    **{(name, "fp32"): FP32_REORDERED for name in ("fsdp2_w4", "ddp_w4", "hsdp_w4", "simple_hsdp_w4")},
+    **{(name, "fp32"): FP32_REORDERED for name in ("hsdp_w4", "simple_hsdp_w4")},
     **{(name, "fp32"): FP32_TP for name in ("ddp_tp", "fsdp2_tp", "simple_ddp_tp", "simple_fsdp_tp")},
     **{(name, "bf16"): BF16_REORDERED for name in LAYOUTS if LAYOUTS[name][0] == 4},
 }

@@ -3,30 +3,22 @@
 TP2, DDP2+TP2 and FSDP2+TP2 in fp32 and bf16 over 6 steps are rows of the parity matrix
 (test_parity.py); here: longer runs, SP/loss-parallel switches, world 8, dtypes, refusals."""
 
-import json
-
 import pytest
 
-from conftest import losses, max_abs_diff, run_plait
+from conftest import AUTOCAST, FP32, layout_run, losses, max_abs_diff, run_plait
 
 pytestmark = pytest.mark.slow
-FP32 = ["--training.mixed_precision_param", "float32"]
 TP2 = ["--parallelism.tp", "2"]
-FSDP_TP = ["--parallelism.dp_shard", "2", *TP2]
 
 
-def test_tp2_matches_single_device_fp32_over_20_steps(tmp_path):
+def test_tp2_without_sp_and_loss_parallel_matches_single_device_fp32(train_once):
     """TP splits each matmul's reduction (row-wise layers sum two partial products), so fp32
-    results differ in the last bits per step: measured 9.5e-7 over 20 steps, bound 1e-5."""
-    steps = ["--training.steps", "20", *FP32]
-    single, _ = run_plait(tmp_path, *steps)
-    tp, _ = run_plait(tmp_path, *steps, *TP2, nproc=2)
-    no_sp, _ = run_plait(tmp_path, *steps, *TP2, "--parallelism.no_sequence_parallel", "--parallelism.no_loss_parallel",
-                         nproc=2)
-    print(f"\nfp32 TP2 vs single: {max_abs_diff(losses(tp), losses(single)):.2e}; "
-          f"TP2 without SP/loss parallel vs single: {max_abs_diff(losses(no_sp), losses(single)):.2e}")
-    assert max_abs_diff(losses(tp), losses(single)) <= 1e-5
-    assert max_abs_diff(losses(no_sp), losses(single)) <= 1e-5
+    results differ in the last bits per step: measured 4.8e-7 over 6 steps (9.5e-7 over 20),
+    with SP and loss parallel (parity matrix) and without them (here); bound 1e-5."""
+    no_sp = layout_run(train_once, "tp", FP32, ["--parallelism.no_sequence_parallel", "--parallelism.no_loss_parallel"])
+    diff = max_abs_diff(losses(no_sp[0]), losses(layout_run(train_once, "single", FP32)[0]))
+    print(f"\nfp32 TP2 without SP/loss parallel vs single: {diff:.2e}")
+    assert diff <= 1e-5
 
 
 def test_hsdp_tp_world8_matches_single_device(tmp_path):
@@ -41,11 +33,9 @@ def test_hsdp_tp_world8_matches_single_device(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["param", "autocast"])
-def test_tp_layouts_compute_in_bf16_and_name_their_collectives(tmp_path, mode):
-    probe_file = tmp_path / "probe.json"
-    run_plait(tmp_path, "--training.steps", "2", *FSDP_TP, "--training.mixed_precision_mode", mode,
-              "--debug.dtype_probe", str(probe_file), nproc=4)
-    probe = json.loads(probe_file.read_text())
+def test_tp_layouts_compute_in_bf16_and_name_their_collectives(train_once, mode):
+    # param is the default: that run is the parity matrix's bf16 FSDP2+TP2 row
+    _, probe = layout_run(train_once, "fsdp2_tp", [], AUTOCAST if mode == "autocast" else [])
     by = lambda phase, kind: {(r["op"], r["dtypes"]) for r in probe if r["phase"] == phase and r["kind"] == kind}
     assert {d for _, d in by("forward", "matmul")} == {"bfloat16"}, probe
     assert {d for _, d in by("backward", "matmul")} == {"bfloat16"}, probe
