@@ -17,6 +17,16 @@ TINY = ["--training.threads", "1", "--training.seq_len", "64", "--training.globa
         "--training.warmup_steps", "2", "--data.vocab_size", "512"]
 
 
+# Tables a test wants in CI's output even when it passes (pytest -q hides passing tests' prints).
+REPORTS: dict[str, str] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    for title, text in REPORTS.items():
+        terminalreporter.write_sep("-", title)
+        terminalreporter.write_line(text)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def plait_cache(tmp_path_factory):
     """One tokenizer/token cache for the whole session, isolated from the user's."""

@@ -45,7 +45,7 @@ class ReplicateComputation:
     """Turns a stored DTensor parameter into the compute tensor of this rank: the full tensor,
     or under TP the rank's TP shard as a DTensor on the tp mesh (what the TP plan expects)."""
 
-    def __init__(self, tp_mesh: DeviceMesh | None, precision: Precision):
+    def __init__(self, tp_mesh: DeviceMesh, precision: Precision):
         self.tp_mesh = tp_mesh
         self.forward_dtype = precision.compute if precision.mode == "param" else None
         self.backward_dtype = precision.reduce
@@ -140,6 +140,12 @@ def apply_simple_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, 
             reshard_after_forward(block)
 
 
+def _gathered_numel(param: DTensor) -> int:
+    """Elements one rank's gather of `param` produces: all of them, or under TP its TP piece."""
+    tp_sharded = param.device_mesh.ndim > len(DP_DIMS) and param.placements[-1].is_shard()
+    return param.numel() // (param.device_mesh.size(-1) if tp_sharded else 1)
+
+
 def compile_whole_model(model: nn.Module, precision: Precision, bucket_per_block: bool) -> None:
     """torch.compile the model in place (FQNs unchanged), optionally bucketing its collectives.
 
@@ -151,7 +157,7 @@ def compile_whole_model(model: nn.Module, precision: Precision, bucket_per_block
     if bucket_per_block:
         import torch._inductor.config as inductor
 
-        block_numel = sum(p.numel() for p in next(iter(model.layers.values())).parameters())
+        block_numel = sum(map(_gathered_numel, next(iter(model.layers.values())).parameters()))
         gathered = precision.compute if precision.mode == "param" else torch.float32
         # Bytes / 2**20 is exact in floating point, so the cap is exactly one block.
         inductor.bucket_all_gathers_fx = "all"
