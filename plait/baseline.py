@@ -25,8 +25,9 @@ import tyro
 
 from plait.config import Data, Flavor, Training
 from plait.data import tokenize_corpus
-from plait.metrics import peak_flops, peak_memory_gib, state_memory_gib
-from plait.model import Transformer, cross_entropy, flops_per_token, model_args
+from plait.hardware import matmul_shapes, peak_flops
+from plait.metrics import Utilisation, peak_memory_gib, state_memory_gib
+from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, model_args
 
 
 @dataclass
@@ -58,7 +59,8 @@ def train(cfg: BaselineConfig) -> None:
         lr=hp.lr, betas=(0.9, 0.95), eps=1e-8)  # no schedule: it changes the numbers, not the cost
     dtype = getattr(torch, cfg.dtype)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    flops, peak = flops_per_token(args, cfg.seq_len), peak_flops(device, dtype)[0]
+    peak = peak_flops(device, dtype, matmul_shapes(linear_weight_shapes(args), tokens_per_step))
+    utilisation = Utilisation(flops_per_token(args, cfg.seq_len), peak, devices=1)
     state_gib = None
     for step in range(1, cfg.steps + 1):
         start = time.perf_counter()
@@ -76,7 +78,7 @@ def train(cfg: BaselineConfig) -> None:
             torch.cuda.synchronize(device)
         tokens_per_sec = tokens_per_step / (time.perf_counter() - start)
         print(json.dumps({"step": step, "loss": loss_value, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                          "mfu": flops * tokens_per_sec / peak, "memory_gib": peak_memory_gib(device),
+                          "mfu": utilisation.mfu(step, tokens_per_sec), "memory_gib": peak_memory_gib(device),
                           "state_gib": state_gib}), flush=True)
 
 

@@ -14,6 +14,7 @@ only ratios between rows of one invocation mean much.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,10 @@ from typing import Literal
 import torch
 import tyro
 
-from plait.config import ConfigError, Flavor
+from plait.config import ConfigError, Data, Flavor
+from plait.data import tokenize_corpus
+from plait.hardware import device_name, matmul_shapes, native_bf16, peak_flops, pick_device
+from plait.model import linear_weight_shapes, model_args
 from plait.trace import summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
@@ -54,6 +58,9 @@ class BenchConfig:
     """CPU threads per rank; 0 = cores / ranks, so every row uses the whole machine"""
     out: str = ""
     """also write the tables as JSON (FILE.json, every number) and markdown (FILE.md)"""
+    emulated_bf16: Literal["skip", "run"] = "skip"
+    """where the device has no bf16 matmul units (e.g. AVX2-only CPUs, 150-280x slower in bf16): skip = measure
+    fp32 only and say so in the table; run = measure the bf16 rows anyway"""
 
 
 def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
@@ -115,7 +122,8 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
     rows = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
     measured = [r for r in rows if cfg.warmup < r["step"] <= cfg.steps]
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
-            "mfu": statistics.median(r["mfu"] for r in measured),
+            # None where the peak proved untrustworthy (plait.metrics.Utilisation): no number beats a wrong one.
+            "mfu": None if None in (mfus := [r["mfu"] for r in measured]) else statistics.median(mfus),
             "memory_gib": max(r["memory_gib"] for r in measured),
             "state_gib": rows[0]["state_gib"],
             **(collectives(folder / "trace") if key != "raw_pytorch" else
@@ -130,12 +138,27 @@ def collectives(trace: Path) -> dict:
             "bookkeeping_collectives_per_step": sum(r["calls_per_step"] for r in rows if r["phase"] == "step")}
 
 
+def hardware(cfg: BenchConfig, flavor: str) -> dict:
+    """The machine the table was measured on and the peaks its single-device rows divide by."""
+    device = pick_device("auto")
+    native, why = native_bf16(device)
+    threads = cfg.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    args = model_args(flavor, tokenize_corpus(Data())[1].get_vocab_size())
+    shapes = matmul_shapes(linear_weight_shapes(args), cfg.global_batch_size * cfg.seq_len)
+    dtypes = DTYPES if native or cfg.emulated_bf16 == "run" else DTYPES[:1]
+    return {"device": device_name(device), "native_bf16": native, "why": why, "threads": threads, "dtypes": dtypes,
+            "peak_tflops": {dtype: peak_flops(device, getattr(torch, dtype), shapes).flops / 1e12 for dtype in dtypes}}
+
+
 def bench(cfg: BenchConfig) -> dict:
     if cfg.steps <= cfg.warmup:
         raise ConfigError(f"steps: must exceed warmup ({cfg.warmup}), got {cfg.steps}")
-    table = []
+    table, machine = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for flavor in flavors(cfg):
+            machine[flavor] = hardware(cfg, flavor)
+            print(f"bench: {hardware_line(machine[flavor])}", file=sys.stderr, flush=True)
             for key in cfg.rows:
                 name, world, flags = layouts(cfg.nproc)[key]
                 if gpus_missing(world):
@@ -143,7 +166,7 @@ def bench(cfg: BenchConfig) -> dict:
                     continue
                 row = {"flavor": flavor, "key": key, "layout": name, "world": world}
                 try:
-                    for dtype in DTYPES:
+                    for dtype in machine[flavor]["dtypes"]:
                         print(f"bench: {flavor}, {name}, {dtype} ...", file=sys.stderr, flush=True)
                         folder = Path(tmp) / f"{flavor}-{key}-{dtype}"
                         for metric, value in run_row(cfg, flavor, key, world, flags, dtype, folder).items():
@@ -151,12 +174,20 @@ def bench(cfg: BenchConfig) -> dict:
                 except (RuntimeError, ConfigError) as e:  # one broken row must not cost the others' measurements
                     print(f"bench: {name} FAILED, left out of the table:\n{e}", file=sys.stderr, flush=True)
                     continue
-                row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
-                print(f"bench: {name}: {row['float32_tokens_per_sec']:.0f} tok/s fp32, "
-                      f"{row['bfloat16_tokens_per_sec']:.0f} tok/s bf16", file=sys.stderr, flush=True)
+                if "bfloat16_tokens_per_sec" in row:
+                    row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
+                print(f"bench: {name}: " + ", ".join(f"{row[f'{dtype}_tokens_per_sec']:.0f} tok/s {dtype}"
+                                                     for dtype in machine[flavor]["dtypes"]), file=sys.stderr, flush=True)
                 table.append(row)
     add_vs_raw(table)
-    return {"settings": asdict(cfg), "rows": table, "state_ratios": state_ratios(table)}
+    return {"settings": asdict(cfg), "hardware": machine, "rows": table, "state_ratios": state_ratios(table)}
+
+
+def hardware_line(machine: dict) -> str:
+    peaks = ", ".join(f"{dtype} {tflops:.3g}" for dtype, tflops in machine["peak_tflops"].items())
+    return (f"hardware: {machine['device']} | native bf16: {'yes' if machine['native_bf16'] else 'no'} "
+            f"({machine['why']}) | {machine['threads']} threads per single-device row | peak TFLOP/s on this "
+            f"flavor's matmul shapes: {peaks}")
 
 
 def add_vs_raw(table: list[dict]) -> None:
@@ -165,12 +196,13 @@ def add_vs_raw(table: list[dict]) -> None:
     for r in table:
         for dtype in DTYPES:
             base = raw.get(r["flavor"])
-            r[f"{dtype}_vs_raw"] = r[f"{dtype}_tokens_per_sec"] / base[f"{dtype}_tokens_per_sec"] if base else None
+            if f"{dtype}_tokens_per_sec" in r:
+                r[f"{dtype}_vs_raw"] = r[f"{dtype}_tokens_per_sec"] / base[f"{dtype}_tokens_per_sec"] if base else None
 
 
 def state_ratios(table: list[dict]) -> list[dict]:
-    """State memory per rank of each sharded layout over DDP's at the same world size (bf16 runs;
-    fp32 holds the same fp32 parameters, gradients and AdamW state)."""
+    """State memory per rank of each sharded layout over DDP's at the same world size (fp32 runs;
+    bf16 holds the same fp32 parameters, gradients and AdamW state)."""
     ratios = []
     for flavor in dict.fromkeys(r["flavor"] for r in table):
         rows = {r["key"]: r for r in table if r["flavor"] == flavor}
@@ -179,7 +211,7 @@ def state_ratios(table: list[dict]) -> list[dict]:
             if reference and key in rows:
                 ratios.append({"flavor": flavor, "world": rows[key]["world"], "layout": rows[key]["layout"],
                                "reference": reference["layout"],
-                               "ratio": rows[key]["bfloat16_state_gib"] / reference["bfloat16_state_gib"]})
+                               "ratio": rows[key]["float32_state_gib"] / reference["float32_state_gib"]})
     return ratios
 
 
@@ -187,19 +219,23 @@ def markdown(result: dict) -> str:
     cfg = result["settings"]
     lines = []
     for flavor in dict.fromkeys(r["flavor"] for r in result["rows"]):
-        rows = [r for r in result["rows"] if r["flavor"] == flavor]
-        lines += [f"flavor {flavor}, seq {cfg['seq_len']}, global batch {cfg['global_batch_size']}, "
+        rows, machine = [r for r in result["rows"] if r["flavor"] == flavor], result["hardware"][flavor]
+        lines += [hardware_line(machine), "", f"flavor {flavor}, seq {cfg['seq_len']}, global batch {cfg['global_batch_size']}, "
                   f"median of steps {cfg['warmup'] + 1}-{cfg['steps']}; state = parameters + gradients + optimizer "
                   f"state on rank 0; collectives per step on rank 0, loss and grad-norm reductions left out", ""]
         for dtype, short in zip(DTYPES, ("fp32", "bf16")):
+            if dtype not in machine["dtypes"]:
+                lines += [f"{short}: not measured, emulated on this device ({machine['why']}); "
+                          "`plait bench --emulated_bf16 run` measures it anyway", ""]
+                continue
             speedup = " vs fp32 |" if dtype == "bfloat16" else ""
             lines += [f"| layout | world | {short} tok/s | MFU | vs raw |{speedup} peak mem GiB | state GiB/rank "
                       f"| collectives/step |",
                       "|---|---|---|---|---|---|---|---|" + "---|" * bool(speedup)]
             for r in rows:
-                vs_raw = r[f"{dtype}_vs_raw"]
+                vs_raw, mfu = r[f"{dtype}_vs_raw"], r[f"{dtype}_mfu"]
                 lines.append(f"| {r['layout']} | {r['world']} | {r[f'{dtype}_tokens_per_sec']:.0f} "
-                             f"| {100 * r[f'{dtype}_mfu']:.1f}% | {'-' if vs_raw is None else f'{vs_raw:.2f}x'} |"
+                             f"| {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {'-' if vs_raw is None else f'{vs_raw:.2f}x'} |"
                              + (f" {r['bf16_speedup']:.2f}x |" if speedup else "")
                              + f" {r[f'{dtype}_memory_gib']:.2f} | {r[f'{dtype}_state_gib']:.3g} "
                              f"| {r[f'{dtype}_collectives_per_step']:g} |")

@@ -12,6 +12,7 @@ Nothing here unpickles user data: tensors go through DCP, everything else is JSO
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -35,12 +37,17 @@ from plait.model import ModelArgs, Transformer
 from plait.weights import fill_weights, init_weights
 
 MANIFEST = "plait.json"
+OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
 STEP_FOLDER = re.compile(r"step-(\d+)$")
 
 
 def read_manifest(folder: Path) -> dict | None:
+    return _read_json(folder / MANIFEST)
+
+
+def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads((folder / MANIFEST).read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -88,6 +95,35 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
     return manifest
 
 
+def job_identity(cfg: JobConfig, args: ModelArgs, tokens: np.ndarray) -> dict:
+    """What makes two runs one job, whose checkpoints they may share: the model, the token stream
+    (corpus and tokenizer, by content), the seed and the batch shape. Layout, steps, lr and the
+    like may change between restarts of one job."""
+    t = cfg.training
+    return {"model_args": asdict(args), "tokens_sha256": hashlib.sha256(np.ascontiguousarray(tokens)).hexdigest()[:16],
+            "training.seed": t.seed, "training.global_batch_size": t.global_batch_size, "training.seq_len": t.seq_len}
+
+
+def check_owner(root: str, identity: dict) -> None:
+    """Refuse, with one line, a checkpoint.folder that another job owns: sharing one, two jobs
+    would delete each other's saves in flight as debris, prune each other's checkpoints and
+    resume from each other's."""
+    owner = _read_json(Path(root) / OWNER) if root else None
+    if owner is not None and owner != identity:
+        differ = [f"{k} {owner.get(k)} vs {v}" if k != "model_args" else "model_args" for k, v in identity.items()
+                  if owner.get(k) != v]
+        raise ConfigError(f"checkpoint.folder: {root} belongs to another job ({', '.join(differ)} in this run); give "
+                          "this job a folder of its own, or start from one of its checkpoints with --checkpoint.load")
+
+
+def claim_folder(root: Path, identity: dict) -> None:
+    if not (root / OWNER).exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{OWNER}.tmp"
+        tmp.write_text(json.dumps(identity, indent=1))
+        os.replace(tmp, root / OWNER)
+
+
 def _manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) -> dict:
     return {"kind": kind, "step": step, "flavor": cfg.model.flavor, "model_args": asdict(args), **extra}
 
@@ -115,17 +151,21 @@ def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path) -> None:
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and restores at start-up (see `restore`)."""
 
-    def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader):
-        self.cfg, self.args = cfg, args
+    def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader, identity: dict):
+        self.cfg, self.args, self.identity = cfg, args, identity
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.root = Path(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
+        if self.root is not None and dist.get_rank() == 0:
+            claim_folder(self.root, identity)  # start-up checked that no other job owns it
         self.pending = None  # (future, folder, manifest) of an asynchronous save in flight
-        # Staging copies the state to CPU memory so training can go on while it is written; the
-        # defaults (pinned/shared memory, async copies) assume an accelerator.
+        self.staging = None  # completes when the save in flight has copied the state it writes
+        # Staging copies the state to CPU memory in a background thread while training goes on
+        # (until the next optimizer step, see `wait_for_staging`), then it is written from there.
+        # Pinned/shared memory and non-blocking copies need an accelerator.
         cuda = torch.cuda.is_available() and cfg.training.device != "cpu"
         self.stager = None
         if cfg.checkpoint.async_mode == "async":
-            self.stager = DefaultStager(StagingOptions(cuda, cuda, cuda, cuda))
+            self.stager = DefaultStager(StagingOptions(cuda, cuda, True, cuda))
             # The background save runs collectives while training runs its own: a group of its
             # own keeps the two streams of collectives from interleaving on one communicator.
             self.save_group = dist.new_group(backend="gloo")
@@ -144,7 +184,7 @@ class Checkpointer:
         if folder is None:
             load = Path(self.cfg.checkpoint.load) if self.cfg.checkpoint.load else None
             if load is not None and hf.is_hf_folder(load):
-                state = hf.load(load, self.args, "checkpoint.load")
+                state = hf.HFWeights(load, self.args, "checkpoint.load")
                 fill_weights(getattr(self.model, "module", self.model), lambda name, shape: state[name])
             elif load is not None:
                 self._load(load, with_optimizer=False)
@@ -153,11 +193,30 @@ class Checkpointer:
         manifest = self._load(folder, with_optimizer=True)
         self.loader.load_state_dict(manifest["loader"])
         self.scheduler.load_state_dict(manifest["scheduler"])
+        self._apply_hyperparameters()
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
         if dist.get_rank() == 0:
             print(f"plait: resumed from {folder} (step {manifest['step']}) in {time.perf_counter() - start:.2f}s",
                   flush=True)
         return manifest["step"]
+
+    def _apply_hyperparameters(self) -> None:
+        """This run's training.lr and weight_decay win over the checkpoint's, as its steps and
+        warmup_steps do (the schedule's shape comes from this run's options): the optimizer's
+        groups and the schedule's base come back from the checkpoint, and would otherwise keep
+        the old values silently. The schedule continues from the resumed step."""
+        t, groups = self.cfg.training, self.optimizer.param_groups
+        old = (self.scheduler.base_lrs[0], groups[0]["weight_decay"])
+        self.scheduler.base_lrs = [t.lr] * len(groups)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, decay in zip(groups, (t.weight_decay, 0.0)):  # build_optimizer: decayed, then norms
+            group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=decay)
+        self.scheduler._last_lr = [group["lr"] for group in groups]
+        changed = [f"training.{name} {was:g} -> {now:g}" for name, was, now in
+                   zip(("lr", "weight_decay"), old, (t.lr, t.weight_decay)) if was != now]
+        if changed and dist.get_rank() == 0:
+            print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former)",
+                  flush=True)
 
     def _load(self, folder: Path, with_optimizer: bool) -> dict:
         manifest = read_manifest(folder)
@@ -183,7 +242,7 @@ class Checkpointer:
         if dist.get_rank() == 0 and folder.exists():
             shutil.rmtree(folder)  # debris of a save that never completed
         dist.barrier()
-        manifest = _manifest(self.cfg, self.args, "train", step, loader=self.loader.state_dict(),
+        manifest = _manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()
@@ -193,14 +252,22 @@ class Checkpointer:
         else:
             response = dcp.async_save(self._state(with_optimizer=True), checkpoint_id=str(folder),
                                       async_stager=self.stager, process_group=self.save_group)
-            self.pending = (getattr(response, "upload_completion", response), folder, manifest, start,
-                            time.perf_counter() - start)
+            self.staging = response.staging_completion
+            self.pending = (response.upload_completion, folder, manifest, start, time.perf_counter() - start)
+
+    def wait_for_staging(self) -> None:
+        """Call before anything changes parameters or optimizer state in place (the optimizer
+        step): a save in flight may still be copying them, and would write a torn mix of steps."""
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
 
     def _finish_pending(self, block: bool) -> None:
         if self.pending is None or (not block and not self.pending[0].done()):
             return
         future, folder, manifest, start, blocking = self.pending
         self.pending = None
+        self.wait_for_staging()
         future.result()
         self._complete(folder, manifest, start, blocking)
 

@@ -56,8 +56,9 @@ class Training:
     """auto = CUDA+NCCL when present, else CPU+gloo"""
     threads: int = 0
     """CPU threads per rank; 0 = cores / local ranks (results depend on it: pin it to compare runs)"""
-    mixed_precision_param: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    """compute dtype of matmuls (float16 is refused: it would need loss scaling)"""
+    mixed_precision_param: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    """compute dtype of matmuls; auto = bfloat16 where the device has bf16 matmul units (CUDA sm80+, AMX or
+    AVX512-BF16 CPUs), float32 where bf16 would be emulated (float16 is refused: it would need loss scaling)"""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """dtype gradients travel and are reduced in"""
     mixed_precision_mode: Literal["param", "autocast"] = "param"
@@ -99,7 +100,8 @@ class Data:
 @dataclass
 class Metrics:
     jsonl: str = ""
-    """rank 0 appends one JSON object per optimizer step to this file"""
+    """rank 0 writes one JSON object per optimizer step to this file (a resumed run keeps the rows up to its
+    checkpoint and replaces the rest; a new run starts the file afresh)"""
     tensorboard: str = ""
     """write TensorBoard event files to this folder"""
     log_interval: int = 5
@@ -268,6 +270,11 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if cfg.debug.dtype_probe and cfg.compile.enable:
         raise ConfigError("debug.dtype_probe: the probe records eager ops, and torch.compile cannot trace under it; "
                           "drop --compile.enable to probe")
+    if cfg.training.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("training.device: cuda was asked for but no CUDA device is available; allowed: auto, cpu")
     from plait.precision import resolve
 
     resolve(cfg)
@@ -309,11 +316,6 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if prof.enable and t.steps < last_profiled:
         raise ConfigError(f"profiling.steps: profiling {prof.steps} steps from step {prof.start_step or 2} "
                           f"needs training.steps >= {last_profiled}, got {t.steps}")
-    if cfg.training.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("training.device: cuda was asked for but no CUDA device is available; allowed: auto, cpu")
     return cfg
 
 

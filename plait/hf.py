@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from plait.config import ConfigError
 from plait.model import ModelArgs
@@ -99,6 +100,11 @@ def check(folder: Path, args: ModelArgs, option: str) -> list[Path]:
     mismatched = [f"{k} {config.get(k)} vs {expected[k]}" for k in keys if config.get(k) != expected[k]]
     if mismatched:
         raise ConfigError(f"{option}: {folder} holds another model shape ({', '.join(mismatched)} in this run)")
+    theirs, ours = math_options(config), math_options(expected)
+    differ = [f"{k} {theirs[k]} vs {ours[k]}" for k in ours if theirs[k] != ours[k]]
+    if differ:
+        raise ConfigError(f"{option}: {folder} computes differently from this run's model ({', '.join(differ)} in this "
+                          "run); plait would load its weights into the wrong function")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{option}: {folder} has config.json but no .safetensors weights")
@@ -112,6 +118,21 @@ def check(folder: Path, args: ModelArgs, option: str) -> list[Path]:
     return files
 
 
+def math_options(config: dict) -> dict:
+    """The fields of a Llama config.json beyond the shape that change what the model computes,
+    with transformers' defaults; both layouts of the RoPE fields (classic `rope_theta` +
+    `rope_scaling`, and transformers 5's `rope_parameters`)."""
+    rope = config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                             if rope_type != "default" else None)
+    return {"rope_theta": float(config.get("rope_theta", rope.get("rope_theta", 10000.0))), "rope_scaling": scaling,
+            "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+            "attention_bias": bool(config.get("attention_bias", False)), "mlp_bias": bool(config.get("mlp_bias", False))}
+
+
 def _plait_names(args: ModelArgs) -> list[str]:
     from plait.model import Transformer
 
@@ -119,15 +140,26 @@ def _plait_names(args: ModelArgs) -> list[str]:
         return list(Transformer(args).state_dict())
 
 
-def load(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
-    """A full plait state dict (fp32) from a Hugging Face Llama folder, checked against `args`."""
-    hf = {}
-    for f in check(folder, args, option):
-        hf.update(load_file(str(f)))  # safetensors: plain tensors, nothing is unpickled
-    state = {}
-    for name in _plait_names(args):
-        tensor = hf[hf_name(name)].float()
+class HFWeights(Mapping):
+    """A Hugging Face Llama folder's weights as a plait state dict (fp32, plait names and RoPE
+    order), checked against `args` up front and read one tensor at a time, memory-mapped, when
+    asked for: a rank holds one full tensor at a time while it cuts its shard, never the model."""
+
+    def __init__(self, folder: Path, args: ModelArgs, option: str):
+        self.args, self.names, self.files = args, _plait_names(args), {}
+        for f in check(folder, args, option):
+            with safe_open(str(f), "pt") as weights:
+                self.files.update(dict.fromkeys(weights.keys(), f))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[hf_name(name)]), "pt") as weights:
+            tensor = weights.get_tensor(hf_name(name)).float()
         if name.endswith(("wq.weight", "wk.weight")):
-            tensor = from_hf_rope_order(tensor, args.head_dim)
-        state[name] = tensor
-    return state
+            tensor = from_hf_rope_order(tensor, self.args.head_dim)
+        return tensor
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

@@ -3,58 +3,41 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
-import time
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from plait.data import cache_dir, cached_file
-
-# Dense peak TFLOP/s (bf16 tensor cores, fp32 without TF32) from the vendors' data sheets.
-GPU_PEAK_TFLOPS = {
-    "B200": (2250.0, 80.0),
-    "H200": (989.5, 66.9),
-    "H100 SXM": (989.5, 66.9),
-    "H100": (756.0, 51.2),  # PCIe
-    "A100": (312.0, 19.5),
-    "L40S": (362.0, 91.6),
-    "A10G": (70.0, 31.2),
-    "RTX 4090": (165.2, 82.6),
-}
+from plait.hardware import Peak
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """Peak FLOP/s of one device for matmuls in `dtype`, and where the number came from."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return (bf16 if dtype != torch.float32 else fp32) * 1e12, f"data sheet ({key})"
-    # Measured once per machine, dtype and thread count, then cached: MFU of different runs
-    # shares one denominator, and a noisy moment does not make one run's MFU jump.
-    name = f"peak-{device.type}-{str(dtype).removeprefix('torch.')}-{torch.get_num_threads()}threads.json"
-    flops = cached_file(cache_dir() / name, lambda: measure_matmul_flops(device, dtype),
-                        lambda value, tmp: tmp.write_text(json.dumps(value)), lambda p: json.loads(p.read_text()))
-    return flops, f"measured by a matmul calibration, cached in {cache_dir() / name}"
+class Utilisation:
+    """MFU: the model's training FLOPs per second over the peak of the devices it ran on.
 
+    The peak (plait.hardware) is the fastest matmul shape the model itself runs, so a step can
+    only reach it if every op ran at that speed: an MFU above 1 means the peak was measured at
+    a bad moment (other processes on the cores). Then MFU is not reported (None) rather than
+    wrong, and the cached peak is removed so the next run measures it again.
+    """
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 2.0) -> float:
-    """Best square-matmul FLOP/s over a short run (after a warm-up): the practical peak of this
-    device with this process's threads. Taking the best of many short rounds filters out
-    moments when other processes held the cores."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    a @ b
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
+    def __init__(self, flops_per_token: float, peak: Peak, devices: int):
+        self.flops_per_token, self.peak, self.devices = flops_per_token, peak, devices
+        self.trusted = peak.flops > 0
+
+    def mfu(self, step: int, tokens_per_sec: float) -> float | None:
+        if not self.trusted:
+            return None
+        value = self.flops_per_token * tokens_per_sec / (self.peak.flops * self.devices)
+        if value > 1:
+            self.trusted = False
+            print(f"plait: warning: step {step} ran at {100 * value:.0f}% of the {self.peak}: that peak was measured "
+                  "too low, so MFU is not reported for this run, and the next run measures it again", flush=True)
+            if self.peak.cache:
+                self.peak.cache.unlink(missing_ok=True)
+            return None
+        return value
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -78,32 +61,43 @@ def state_memory_gib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 class MetricsLogger:
-    """Rank 0's sinks: a console line every `log_interval` steps, JSONL and TensorBoard every step."""
+    """Rank 0's sinks: a console line every `log_interval` steps, JSONL and TensorBoard every step.
 
-    def __init__(self, jsonl: str, tensorboard: str, log_interval: int):
+    A resumed run first drops the JSONL rows after the step it resumed from (the steps a crash
+    lost, which it trains again), so the file keeps exactly one row per step.
+    """
+
+    def __init__(self, jsonl: str, tensorboard: str, log_interval: int, resumed_step: int = 0):
         self.log_interval = log_interval
         self.jsonl = None
         if jsonl:
-            Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(jsonl, "a")
+            path = Path(jsonl)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+                    if line.strip() and json.loads(line)["step"] <= resumed_step]
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+            self.jsonl = open(path, "a")
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(tensorboard)
+            # purge_step: TensorBoard hides events a restarted run logged after this step
+            self.writer = SummaryWriter(tensorboard, purge_step=resumed_step + 1 if resumed_step else None)
 
     def log(self, row: dict) -> None:
         step = row["step"]
         if step % self.log_interval == 0 or step == 1:
+            mfu = "  n/a " if row["mfu"] is None else f"{100 * row['mfu']:5.2f}%"
             print(f"step {step:5d} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e}"
-                  f" | {row['tokens_per_sec']:8.0f} tok/s | mfu {100 * row['mfu']:5.2f}% | mem {row['memory_gib']:.2f} GiB",
-                  flush=True)
+                  f" | {row['tokens_per_sec']:8.0f} tok/s | mfu {mfu} | mem {row['memory_gib']:.2f} GiB", flush=True)
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
         if self.writer:
             for key, value in row.items():
-                if key != "step":
+                if key != "step" and value is not None:
                     self.writer.add_scalar(key, value, step)
 
     def close(self) -> None:

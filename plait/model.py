@@ -216,3 +216,10 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     with torch.device("meta"):
         n = num_params(Transformer(args), exclude_embedding=True)
     return 6 * n + 12 * args.n_layers * args.dim * seq_len
+
+
+def linear_weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:
+    """The distinct (out, in) weight shapes of the model's linear layers: what its matmuls multiply."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})

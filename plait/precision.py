@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig
+from plait.hardware import native_bf16, pick_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -34,6 +35,8 @@ class Precision:
     reduce: torch.dtype  # dtype gradients travel and are reduced in
     mode: str  # "param" or "autocast"
     backend: str  # data-parallel implementation
+    emulated: bool = False  # bf16 asked for on hardware without bf16 matmul units: it runs, slowly
+    chosen_by: str = ""  # how `auto` picked the compute dtype, for the start-up line
 
     @property
     def autocast(self) -> bool:
@@ -63,7 +66,8 @@ class Precision:
                f"reduce={_name(self.reduce)}) + {cast}"
 
     def describe(self) -> str:
-        return f"precision: compute {_name(self.compute)}, reduce {_name(self.reduce)}, mode {self.mode} via {self.mechanism()}"
+        why = f" ({self.chosen_by})" if self.chosen_by else " (emulated: no bf16 matmul units here)" * self.emulated
+        return f"precision: compute {_name(self.compute)}{why}, reduce {_name(self.reduce)}, mode {self.mode} via {self.mechanism()}"
 
 
 def _name(dtype: torch.dtype | None) -> str:
@@ -71,13 +75,20 @@ def _name(dtype: torch.dtype | None) -> str:
 
 
 def resolve(cfg: JobConfig) -> Precision:
-    """The table above as code: the run's precision, or a ConfigError naming what works instead."""
+    """The table above as code: the run's precision, or a ConfigError naming what works instead.
+
+    `auto` computes in bf16 where the device multiplies bf16 in hardware and in fp32 elsewhere;
+    an explicit bfloat16 runs bf16 everywhere (what is asked is what runs), flagged as emulated
+    where it is."""
     t, backend = cfg.training, cfg.parallelism.dp_backend
     if t.mixed_precision_param == "float16":
         raise ConfigError("training.mixed_precision_param: float16 needs dynamic loss scaling, which plait does "
                           "not implement; allowed: bfloat16 (same range as float32, no scaling needed), float32")
-    precision = Precision(DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce],
-                          t.mixed_precision_mode, backend)
+    native, why = native_bf16(pick_device(t.device))
+    compute = ("bfloat16" if native else "float32") if t.mixed_precision_param == "auto" else t.mixed_precision_param
+    precision = Precision(DTYPES[compute], DTYPES[t.mixed_precision_reduce], t.mixed_precision_mode, backend,
+                          emulated=compute == "bfloat16" and not native,
+                          chosen_by=f"auto: {why}" if t.mixed_precision_param == "auto" else "")
     if backend == "ddp" and precision.mode == "param" and precision.compute != torch.float32:
         raise ConfigError("training.mixed_precision_mode: param is not possible with parallelism.dp_backend ddp "
                           "(DistributedDataParallel cannot cast parameters at module boundaries); use "

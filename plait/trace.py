@@ -209,27 +209,31 @@ def _rows(traces: dict[int, tuple[int, list[Collective]]]) -> list[dict]:
 
 @dataclass(frozen=True)
 class Expectation:
-    """`phase:kind:dtype` ran in that dtype, `phase:kind` ran, `phase:!kind` did not run."""
+    """`phase:kind:dtype` ran in that dtype, `phase:kind` ran, `phase:!kind` did not run; a
+    suffix `=N` on the first two: exactly N calls per step (in that dtype)."""
 
     spec: str
     phase: str
     kind: str
     dtype: str | None
     present: bool
+    calls: float | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Expectation:
-        phase, _, rest = spec.partition(":")
+        body, _, count = spec.partition("=")
+        phase, _, rest = body.partition(":")
         kind, _, dtype = rest.partition(":")
         present, kind, dtype = not kind.startswith("!"), kind.removeprefix("!"), DTYPE_ALIASES.get(dtype, dtype)
-        if phase not in PHASES or kind not in KINDS or (dtype and (not present or dtype not in DTYPE_NAMES.values())):
-            raise ConfigError(f"expect: {spec!r} is not phase:kind:dtype, phase:kind or phase:!kind; phases: "
-                              f"{', '.join(PHASES)}; kinds: {', '.join(KINDS)}; dtypes: "
-                              f"{', '.join(sorted(set(DTYPE_NAMES.values())))} (or bf16, fp32, fp16)")
-        return cls(spec, phase, kind, dtype or None, present)
+        if phase not in PHASES or kind not in KINDS or (dtype and (not present or dtype not in DTYPE_NAMES.values())) \
+                or (count and (not present or not count.isdigit())):
+            raise ConfigError(f"expect: {spec!r} is not phase:kind:dtype, phase:kind or phase:!kind (the first two "
+                              f"optionally =N calls per step); phases: {', '.join(PHASES)}; kinds: {', '.join(KINDS)}; "
+                              f"dtypes: {', '.join(sorted(set(DTYPE_NAMES.values())))} (or bf16, fp32, fp16)")
+        return cls(spec, phase, kind, dtype or None, present, int(count) if count else None)
 
-    def failure(self, collectives: list[Collective]) -> str | None:
-        """Why this expectation fails for one rank's collectives, or None when it holds."""
+    def failure(self, collectives: list[Collective], steps: int) -> str | None:
+        """Why this expectation fails for one rank's collectives over `steps` steps, or None when it holds."""
         found = [c.dtype for c in collectives if (c.phase, c.kind) == (self.phase, self.kind)]
         if not self.present:
             return f"ran {len(found)} times" if found else None
@@ -237,6 +241,9 @@ class Expectation:
             return "did not run"
         if self.dtype and self.dtype not in found:
             return "ran only in " + ", ".join(f"{d} x{found.count(d)}" for d in sorted(set(found)))
+        counted = [d for d in found if self.dtype in (None, d)]
+        if self.calls is not None and len(counted) != self.calls * steps:
+            return f"ran {len(counted) / steps:g} times per step"
         return None
 
 
@@ -246,7 +253,8 @@ class TraceArgs:
     """a profiling.folder: one rank{R}.json per rank"""
     # Appended, one SPEC per --expect: a repeated --expect must not silently replace the earlier one.
     expect: Annotated[tuple[str, ...], tyro.conf.UseAppendAction, tyro.conf.arg(metavar="SPEC")] = ()
-    """phase:kind:dtype (ran in that dtype), phase:kind (ran) or phase:!kind (did not run), on every rank"""
+    """phase:kind:dtype (ran in that dtype), phase:kind (ran) or phase:!kind (did not run), on every rank;
+    =N after the first two: N calls per step"""
     rank: Annotated[int | None, tyro.conf.arg(metavar="R")] = None
     """summarise and check this rank only; default: every rank"""
 
@@ -263,8 +271,8 @@ def main(argv: list[str]) -> int:
     widths = [max(map(len, column)) for column in zip(*table)]
     for row in table:  # text left, numbers right
         print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-    failures = [f"{e.spec}: rank {r}: {why}" for e in expectations for r, (_, collectives) in traces.items()
-                if (why := e.failure(collectives))]
+    failures = [f"{e.spec}: rank {r}: {why}" for e in expectations for r, (steps, collectives) in traces.items()
+                if (why := e.failure(collectives, steps))]
     for failure in failures:
         print(f"plait trace: expectation failed: {failure}", file=sys.stderr)
     if expectations and not failures:

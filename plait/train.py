@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from plait import hf, parallel
-from plait.checkpoint import Checkpointer, check_compatible, latest_complete
+from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
 from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
 from plait.data import BatchLoader, tokenize_corpus
-from plait.metrics import MetricsLogger, peak_flops, peak_memory_gib, state_memory_gib
-from plait.model import cross_entropy, flops_per_token, model_args, num_params
+from plait.hardware import matmul_shapes, peak_flops, pick_device
+from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
+from plait.model import cross_entropy, flops_per_token, linear_weight_shapes, model_args, num_params
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
 from plait.probe import DtypeProbe
@@ -31,13 +32,6 @@ from plait.trace import StepProfiler
 
 class TrainingError(RuntimeError):
     """The run cannot continue (a non-finite loss or gradient); weights were not updated."""
-
-
-def pick_device(cfg: JobConfig) -> torch.device:
-    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def init_distributed(cfg: JobConfig, device: torch.device) -> None:
@@ -111,8 +105,10 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
     return total.item()
 
 
-def check_checkpoints(cfg: JobConfig, args) -> None:
-    """What start-up would load must fit this model: checked before any process group."""
+def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
+    """What start-up would load must fit this model, and the folder it saves to must be this
+    job's: checked before any process group."""
+    check_owner(cfg.checkpoint.folder, identity)
     resume = latest_complete(cfg.checkpoint.folder)
     if resume is not None:
         check_compatible(resume, args, "checkpoint.folder")
@@ -139,12 +135,13 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
     check_divisibility(args, cfg)
-    check_checkpoints(cfg, args)
+    identity = job_identity(cfg, args, tokens)
+    check_checkpoints(cfg, args, identity)
 
-    device = pick_device(cfg)
+    device = pick_device(cfg.training.device)
     init_distributed(cfg, device)
     try:
-        return _train(cfg, args, tokens, device)
+        return _train(cfg, args, tokens, identity, device)
     finally:
         # A barrier before tearing down avoids gloo aborting at exit while a peer still talks.
         if dist.is_initialized():
@@ -152,7 +149,7 @@ def run(cfg: JobConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
+def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -> list[dict]:
     t = cfg.training
     rank = dist.get_rank()
     mesh, dp_mesh = parallel.build_mesh(cfg, device.type)
@@ -164,63 +161,77 @@ def _train(cfg: JobConfig, args, tokens, device: torch.device) -> list[dict]:
                              loss_parallel=cfg.parallelism.tp > 1 and cfg.parallelism.loss_parallel)
     model = parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
-    checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader)
+    checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity)
     done = checkpointer.restore()
 
     accum = grad_accumulation_steps(cfg)
     tokens_per_step = t.global_batch_size * t.seq_len
-    flops = flops_per_token(args, t.seq_len)
-    peak, peak_source = peak_flops(device, precision.compute)
-    logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval) if rank == 0 else None
+    shapes = matmul_shapes(linear_weight_shapes(args), t.micro_batch_size * t.seq_len)
+    peak = peak_flops(device, precision.compute, shapes)
+    utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size())
+    logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done) \
+        if rank == 0 else None
     if rank == 0:
         print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor}: {num_params(model) / 1e6:.1f}M params, "
               f"vocab {args.vocab_size} | {loader.num_sequences} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
-              f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})\nplait: {precision.describe()}", flush=True)
+              f"{peak}\nplait: {precision.describe()}", flush=True)
+        if precision.emulated:
+            fp32_peak = peak_flops(device, torch.float32, shapes).flops
+            print(f"plait: warning: bfloat16 was asked for, but this device has no bf16 matmul units: the model's "
+                  f"matmuls measured {fp32_peak / peak.flops:.0f}x slower in bf16 than in float32 here "
+                  f"(--training.mixed_precision_param auto picks float32 on such hardware)", flush=True)
 
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
-    for step in range(done + 1, t.steps + 1):
-        start = time.perf_counter()
-        probe = DtypeProbe(contexts) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
-        with probe, profiler.step(step):
-            loss_sum = torch.zeros((), device=device)
-            batches = loader.next_batches()
-            for i, (inputs, labels) in enumerate(batches):
-                with contexts.forward():
-                    loss = cross_entropy(model(inputs.to(device)), labels.to(device))
-                # Reduce gradients once per step, after the last micro-batch, not after each one.
-                with contexts.backward(), parallel.gradient_sync(model, i == len(batches) - 1):
-                    (loss / accum).backward()
-                # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.
-                loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
-            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
-            loss_value = loss_sum.item() / (accum * dp_mesh.size())
-            grad_norm = clip_and_norm(model, t.max_norm)
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
-                                    f"stopped before the optimizer step, weights are from step {step - 1}")
-            lr = scheduler.get_last_lr()[0]
-            with contexts.optimizer():
-                optimizer.step()
-                if state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
-                    state_gib = state_memory_gib(model, optimizer)
-                optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-        if isinstance(probe, DtypeProbe) and rank == 0:
-            probe.save(cfg.debug.dtype_probe)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+    try:
+        for step in range(done + 1, t.steps + 1):
+            start = time.perf_counter()
+            probe = DtypeProbe(contexts) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
+            with probe, profiler.step(step):
+                loss_sum = torch.zeros((), device=device)
+                batches = loader.next_batches()
+                for i, (inputs, labels) in enumerate(batches):
+                    # Reduce gradients once per step, after the last micro-batch, not after each one.
+                    # The context spans forward too: DDP decides in forward whether backward reduces.
+                    with parallel.gradient_sync(model, i == len(batches) - 1):
+                        with contexts.forward():
+                            loss = cross_entropy(model(inputs.to(device)), labels.to(device))
+                        with contexts.backward():
+                            (loss / accum).backward()
+                    # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.
+                    loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+                dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+                loss_value = loss_sum.item() / (accum * dp_mesh.size())
+                grad_norm = clip_and_norm(model, t.max_norm)
+                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                    raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
+                                        f"stopped before the optimizer step, weights are from step {step - 1}")
+                lr = scheduler.get_last_lr()[0]
+                with contexts.optimizer():
+                    checkpointer.wait_for_staging()
+                    optimizer.step()
+                    if state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
+                        state_gib = state_memory_gib(model, optimizer)
+                    optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+            if isinstance(probe, DtypeProbe) and rank == 0:
+                probe.save(cfg.debug.dtype_probe)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+            if logger:
+                tokens_per_sec = tokens_per_step / elapsed
+                row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                       "tokens_per_sec": tokens_per_sec, "mfu": utilisation.mfu(step, tokens_per_sec),
+                       "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
+                logger.log(row)
+                rows.append(row)
+            checkpointer.maybe_save(step)
+    finally:
+        # Also when the run fails: a save in flight completes (and gets its manifest) before the
+        # process group goes away under it.
+        checkpointer.close()
         if logger:
-            tokens_per_sec = tokens_per_step / elapsed
-            row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-                   "tokens_per_sec": tokens_per_sec, "mfu": flops * tokens_per_sec / (peak * dist.get_world_size()),
-                   "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
-            logger.log(row)
-            rows.append(row)
-        checkpointer.maybe_save(step)
-    checkpointer.close()
-    if logger:
-        logger.close()
+            logger.close()
     return rows

@@ -13,8 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # One thread per rank in every run that is compared: the thread count changes summation order.
+# The precision is pinned too, so a test means the same on every CPU (`auto` is bf16 where the
+# CPU has bf16 units, fp32 where bf16 is emulated): fp32, exact and fast everywhere; a test about
+# bf16 adds BF16 (later flags win), which runs bf16 even where it is emulated (slowly).
 TINY = ["--training.threads", "1", "--training.seq_len", "64", "--training.global_batch_size", "4",
-        "--training.warmup_steps", "2", "--data.vocab_size", "512"]
+        "--training.warmup_steps", "2", "--data.vocab_size", "512", "--training.mixed_precision_param", "float32"]
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
 
 
 # Tables a test wants in CI's output even when it passes (pytest -q hides passing tests' prints).
@@ -35,9 +39,11 @@ def plait_cache(tmp_path_factory):
     return cache
 
 
-def run_plait(tmp_path: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 300):
-    """Run `plait train` with `args`; returns (per-step metric rows, completed process)."""
-    metrics = tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*')))}.jsonl"
+def run_plait(tmp_path: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 300,
+              metrics: Path | None = None):
+    """Run `plait train` with `args`; returns (per-step metric rows, completed process). The rows
+    are read from `metrics` if given, else from a new file of the run's own."""
+    metrics = metrics or tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*')))}.jsonl"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
     command = [*launcher, "-m", "plait", "train", *TINY, *args, "--metrics.jsonl", str(metrics)]
@@ -49,7 +55,6 @@ def run_plait(tmp_path: Path, *args: str, nproc: int = 1, check: bool = True, ti
 
 
 STEPS = ["--training.steps", "6"]
-FP32 = ["--training.mixed_precision_param", "float32"]
 AUTOCAST = ["--training.mixed_precision_mode", "autocast"]
 SIMPLE = ["--parallelism.dp_backend", "simple_fsdp"]
 TP2 = ["--parallelism.tp", "2"]

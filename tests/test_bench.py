@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "3",
-                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "--out", str(out)],
+                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "--out", str(out),
+                           "--emulated_bf16", "run"],  # the same rows on every CPU kind
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("| layout | world | bf16 tok/s | MFU | vs raw | vs fp32 | peak mem GiB | state GiB/rank "
@@ -39,4 +40,23 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     assert ratio["layout"] == "FSDP2" and ratio["ratio"] == pytest.approx(0.5, rel=1e-3)
     line = "FSDP2 state per rank / DDP (fully_shard, replicate mesh) state per rank at world 2: 0.50"
     assert line in proc.stdout and line in out.with_suffix(".md").read_text()
-    assert out.with_suffix(".md").read_text().startswith("flavor debug")
+    machine = result["hardware"]["debug"]
+    assert out.with_suffix(".md").read_text().startswith(f"hardware: {machine['device']} | native bf16: ")
+    assert set(machine["peak_tflops"]) == {"float32", "bfloat16"} and all(machine["peak_tflops"].values())
+    assert all(0 < row[f"{dtype}_mfu"] <= 1 for row in rows.values() for dtype in ("float32", "bfloat16"))
+
+
+def test_bench_says_when_bf16_was_not_measured():
+    """Where bf16 is emulated, the default is to measure fp32 only and say so in place of the table."""
+    from plait.bench import markdown
+
+    row = {"flavor": "debug", "key": "single", "layout": "single device", "world": 1, "float32_tokens_per_sec": 100.0,
+           "float32_mfu": 0.5, "float32_vs_raw": None, "float32_memory_gib": 1.0, "float32_state_gib": 0.1,
+           "float32_collectives_per_step": 0}
+    machine = {"device": "AVX2 CPU", "native_bf16": False, "why": "emulated here", "threads": 2,
+               "dtypes": ["float32"], "peak_tflops": {"float32": 0.1}}
+    text = markdown({"settings": {"seq_len": 64, "global_batch_size": 4, "warmup": 2, "steps": 3},
+                     "hardware": {"debug": machine}, "rows": [row], "state_ratios": []})
+    assert "| single device | 1 | 100 | 50.0% | - | 1.00 | 0.1 | 0 |" in text
+    assert "bf16: not measured, emulated on this device (emulated here); `plait bench --emulated_bf16 run`" in text
+    assert "bf16 tok/s" not in text

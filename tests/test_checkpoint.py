@@ -1,6 +1,7 @@
 """Seed checkpoints, exact resume (also across layouts), crash safety, bad checkpoints, HF interchange."""
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,6 @@ import torch
 from conftest import ROOT, TINY, descendants, environ, losses, max_abs_diff, run_plait
 
 pytestmark = pytest.mark.slow
-FP32 = ["--training.mixed_precision_param", "float32"]
 
 
 def plait(*args, check=True):
@@ -45,10 +45,10 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
     saved = load_full_state_dict(seed_ckpt, args)
     assert all(torch.equal(saved[name], value) for name, value in model.state_dict().items())
 
-    load = ["--training.steps", "2", "--checkpoint.load", str(seed_ckpt), *FP32]
+    load = ["--training.steps", "2", "--checkpoint.load", str(seed_ckpt)]
     # The single process accumulates the two rank slices of world 2 (see test_parity).
     reference, _ = run_plait(tmp_path, *load, "--training.micro_batch_size", "2")
-    own_init, _ = run_plait(tmp_path, "--training.steps", "2", "--training.micro_batch_size", "2", *FP32)
+    own_init, _ = run_plait(tmp_path, "--training.steps", "2", "--training.micro_batch_size", "2")
     assert losses(own_init)[0] != losses(reference)[0]
     for world, layout in [(2, ["--parallelism.dp_replicate", "2"]), (2, ["--parallelism.dp_shard", "2"])]:
         rows, _ = run_plait(tmp_path, *load, *layout, nproc=world)
@@ -89,18 +89,60 @@ def _run_and_kill_after(args, step_line, nproc=1, only_rank=None):
 def test_kill_and_resume_is_bitwise_exact(tmp_path, precision):
     args = ["--training.steps", "10", "--checkpoint.interval", "5", "--training.mixed_precision_param", precision]
     full, _ = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / "a"))
-    _run_and_kill_after([*args, "--checkpoint.folder", str(tmp_path / "b")], "step     7")
+    metrics = tmp_path / "b.jsonl"  # shared by the killed run and its resumption
+    _run_and_kill_after([*args, "--checkpoint.folder", str(tmp_path / "b"), "--metrics.jsonl", str(metrics)],
+                        "step     7")
     assert sorted(os.listdir(tmp_path / "b")) == ["step-5"]
-    resumed, proc = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / "b"))
-    assert "resumed from" in proc.stdout and [r["step"] for r in resumed] == list(range(6, 11))
-    assert losses(resumed) == losses(full)[5:]
+    # Step 6 is past the checkpoint: it is lost and will be trained (and logged) again.
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines())][:6] == list(range(1, 7))
+    resumed, proc = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / "b"), metrics=metrics)
+    assert "resumed from" in proc.stdout
+    # One row per step: the resumed run replaced the rows of the steps the kill lost (6, 7, ...).
+    assert [r["step"] for r in resumed] == list(range(1, 11))
+    assert losses(resumed) == losses(full)
+
+
+def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
+    """Changed on resume, training.lr and weight_decay take effect like steps and warmup_steps do
+    (they used to come back from the checkpoint silently): the logged lr is the new schedule's."""
+    from plait.config import parse_args
+    from plait.train import lr_lambda
+
+    folder = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.interval", "3"]
+    run_plait(tmp_path, "--training.steps", "3", *folder)
+    new = ["--training.steps", "6", "--training.lr", "5e-4", "--training.weight_decay", "0.05"]
+    resumed, proc = run_plait(tmp_path, *new, *folder)
+    assert "resuming with training.lr 0.002 -> 0.0005, training.weight_decay 0.1 -> 0.05" in proc.stdout
+    factor = lr_lambda(parse_args([*TINY, *new]))
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["lr"] for r in resumed] == [5e-4 * factor(step - 1) for step in (4, 5, 6)]
+
+
+def test_two_jobs_cannot_share_a_checkpoint_folder(tmp_path):
+    """Another seed or another corpus is another job: it is refused before it touches the folder
+    (it would have deleted saves in flight as debris, pruned, or resumed the other's state).
+    The owner itself resumes, also with another layout or more steps."""
+    folder = tmp_path / "ckpt"
+    ckpt = ["--checkpoint.folder", str(folder), "--checkpoint.interval", "2"]
+    run_plait(tmp_path, "--training.steps", "4", *ckpt)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in folder.rglob("*"))
+    corpus = tmp_path / "other.txt"
+    corpus.write_text("another corpus, another job. " * 3000)
+    for other, named in [(["--training.seed", "1"], "training.seed 0 vs 1"),
+                         (["--data.path", str(corpus)], "tokens_sha256")]:
+        rows, proc = run_plait(tmp_path, "--training.steps", "6", *ckpt, *other, check=False)
+        message = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and rows == [] and "belongs to another job" in message and named in message
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.rglob("*")) == before
+    rows, proc = run_plait(tmp_path, "--training.steps", "6", *ckpt, "--parallelism.dp_shard", "2", nproc=2)
+    assert "resumed from" in proc.stdout and [r["step"] for r in rows] == [5, 6]
 
 
 def test_resume_under_another_layout(tmp_path):
     """Saved by FSDP2 at world 2, resumed (weights, AdamW state, data position) by a single
     process, TP2 and DDP2+TP2: steps 6-10 agree with the uninterrupted run within the fp32 layout
     tolerance (measured ~1e-6)."""
-    args = ["--training.steps", "10", "--checkpoint.interval", "5", *FP32]
+    args = ["--training.steps", "10", "--checkpoint.interval", "5"]
     full, _ = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / "fsdp"), "--parallelism.dp_shard", "2",
                         nproc=2)
     for name, world, layout in [("single", 1, []), ("tp", 2, ["--parallelism.tp", "2"]),
@@ -128,6 +170,56 @@ def test_kill_during_async_save_resumes_from_last_complete(tmp_path):
     assert rows[0]["step"] == complete[-1] + 1
 
 
+def test_a_failing_run_completes_the_async_save_in_flight(tmp_path):
+    """The loss turns non-finite at step 2 while step 1's save is being written in the background:
+    the run stops, and step-1 is complete (DCP metadata and manifest), ready to resume from."""
+    folder = tmp_path / "ckpt"
+    rows, proc = run_plait(tmp_path, "--training.steps", "30", "--training.lr", "1e12", "--training.warmup_steps", "0",
+                           "--training.max_norm", "0", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async",
+                           "--checkpoint.folder", str(folder), check=False)
+    assert proc.returncode == 1 and "not finite" in proc.stderr
+    last_good = len(rows)
+    assert last_good >= 1 and f"weights are from step {last_good}" in proc.stderr
+    assert (folder / f"step-{last_good}" / ".metadata").exists() and (folder / f"step-{last_good}" / "plait.json").exists()
+
+
+# Staging (the copy of the state that a background save writes) made late on purpose: training
+# goes on meanwhile and must not change the parameters or AdamW state under the copy.
+SLOW_STAGING = """
+import sys, time
+from torch.distributed.checkpoint.staging import DefaultStager
+stage = DefaultStager._stage
+def slow_stage(self, state_dict, **kwargs):
+    time.sleep(1)
+    return stage(self, state_dict, **kwargs)
+DefaultStager._stage = slow_stage
+from plait.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_async_save_with_slow_staging_equals_sync_save_bitwise(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    args = [*TINY, "--training.steps", "6", "--checkpoint.interval", "2", "--metrics.log_interval", "1"]
+    for mode in ("disabled", "async"):
+        proc = subprocess.run([sys.executable, "-c", SLOW_STAGING, "train", *args, "--checkpoint.async_mode", mode,
+                               "--checkpoint.folder", str(tmp_path / mode)], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in (2, 4, 6):
+        states = []
+        for mode in ("disabled", "async"):
+            folder = tmp_path / mode / f"step-{step}"
+            metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+                     if hasattr(m, "size") and len(m.size)}  # weights and AdamW moments
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+            states.append(state)
+        assert states[0].keys() == states[1].keys() and len(states[0]) > 40
+        torn = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+        assert not torn, f"step {step}: {torn[:3]}"
+
+
 def test_bad_checkpoints_fail_clearly_and_leave_good_ones_alone(tmp_path, seed_ckpt):
     # Another model shape (vocabulary 4096 vs the seed's 512).
     rows, proc = run_plait(tmp_path, "--checkpoint.load", str(seed_ckpt), "--data.vocab_size", "4096", check=False)
@@ -151,7 +243,7 @@ def test_bad_checkpoints_fail_clearly_and_leave_good_ones_alone(tmp_path, seed_c
 def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_ckpt):
     transformers = pytest.importorskip("transformers")
     from plait.checkpoint import load_full_state_dict, read_manifest
-    from plait.hf import load as load_hf
+    from plait.hf import HFWeights
     from plait.model import ModelArgs, Transformer
 
     out = tmp_path / "hf"
@@ -165,9 +257,45 @@ def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     print(f"\nplait vs transformers logits: max |diff| {diff:.2e}")
     assert diff <= 1e-5
-    back = load_hf(out, args, "checkpoint.load")
+    back = HFWeights(out, args, "checkpoint.load")
     assert all(torch.equal(back[name], value) for name, value in ours.state_dict().items())
     # And as initial weights of a run: identical step-1 loss to starting from the seed checkpoint.
-    from_hf, _ = run_plait(tmp_path, "--training.steps", "1", "--checkpoint.load", str(out), *FP32)
-    from_seed, _ = run_plait(tmp_path, "--training.steps", "1", "--checkpoint.load", str(seed_ckpt), *FP32)
+    from_hf, _ = run_plait(tmp_path, "--training.steps", "1", "--checkpoint.load", str(out))
+    from_seed, _ = run_plait(tmp_path, "--training.steps", "1", "--checkpoint.load", str(seed_ckpt))
     assert losses(from_hf) == losses(from_seed)
+
+
+def test_hf_folders_that_compute_differently_are_refused(tmp_path, seed_ckpt):
+    """Same shape is not same model: Llama 3.1 8B's scaled RoPE loaded as llama3_8b would run
+    with the wrong frequencies. Refused at start-up with one line naming the field."""
+    from plait.checkpoint import read_manifest
+    from plait.config import ConfigError
+    from plait.hf import check
+    from plait.model import ModelArgs
+
+    out = tmp_path / "hf"
+    plait("export", "--checkpoint", str(seed_ckpt), "--out", str(out), "--dtype", "float32")
+    exported = json.loads((out / "config.json").read_text())
+    args = ModelArgs(**read_manifest(seed_ckpt)["model_args"])
+    for change, named in HF_MATH_CHANGES:
+        config = {k: v for k, v in {**exported, **change}.items() if v is not None}
+        (out / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match="computes differently") as refused:
+            check(out, args, "checkpoint.load")
+        assert named in str(refused.value)
+    rows, proc = run_plait(tmp_path, "--checkpoint.load", str(out), check=False)  # the last change, end to end
+    assert proc.returncode == 2 and rows == [] and proc.stderr.strip().splitlines()[-1].startswith(
+        f"plait: error: checkpoint.load: {out} computes differently from this run's model (attention_bias True")
+
+
+HF_MATH_CHANGES = [  # (config.json fields changed, the words that must name it)
+    ({"rope_theta": 500000.0}, "rope_theta 500000.0 vs 10000.0"),
+    ({"rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}, "rope_theta 500000.0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}}, "rope_scaling {'rope_type': 'llama3'"),
+    ({"rope_theta": None, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}},
+     "rope_scaling {'rope_type': 'linear', 'factor': 2.0} vs None"),
+    ({"rms_norm_eps": 1e-6}, "rms_norm_eps 1e-06 vs 1e-05"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings True vs False"),
+    ({"attention_bias": True}, "attention_bias True vs False"),
+]

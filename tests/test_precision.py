@@ -3,7 +3,7 @@ gradients in the dtype asked for, proven from the ops that actually ran (the dty
 
 import pytest
 
-from conftest import AUTOCAST, FP32, layout_run, losses, max_abs_diff
+from conftest import AUTOCAST, BF16, layout_run, losses, max_abs_diff
 from plait.config import ConfigError, parse_args, validate
 
 pytestmark = pytest.mark.slow
@@ -11,17 +11,17 @@ BF16_REDUCE = ["--training.mixed_precision_reduce", "bfloat16"]
 CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2"]
 
 RUNS = {  # name: (layout in conftest.LAYOUTS, precision options, mode options)
-    "single": ("single", [], []),
-    "ddp": ("ddp", [], []),
-    "fsdp": ("fsdp2", [], []),
-    "single_autocast": ("single", [], AUTOCAST),
-    "ddp_autocast": ("ddp", [], AUTOCAST),
-    "fsdp_autocast": ("fsdp2", [], AUTOCAST),
-    "classic_ddp_autocast": ("classic_ddp", [], AUTOCAST),
-    "classic_ddp_autocast_bf16_reduce": ("classic_ddp", BF16_REDUCE, AUTOCAST),
-    "fsdp_bf16_reduce": ("fsdp2", BF16_REDUCE, []),
-    "hsdp_bf16_reduce": ("hsdp_w4", BF16_REDUCE, []),
-    "single_fp32": ("single", FP32, []),
+    "single": ("single", BF16, []),
+    "ddp": ("ddp", BF16, []),
+    "fsdp": ("fsdp2", BF16, []),
+    "single_autocast": ("single", BF16, AUTOCAST),
+    "ddp_autocast": ("ddp", BF16, AUTOCAST),
+    "fsdp_autocast": ("fsdp2", BF16, AUTOCAST),
+    "classic_ddp_autocast": ("classic_ddp", BF16, AUTOCAST),
+    "classic_ddp_autocast_bf16_reduce": ("classic_ddp", [*BF16, *BF16_REDUCE], AUTOCAST),
+    "fsdp_bf16_reduce": ("fsdp2", [*BF16, *BF16_REDUCE], []),
+    "hsdp_bf16_reduce": ("hsdp_w4", [*BF16, *BF16_REDUCE], []),
+    "single_fp32": ("single", [], []),
 }
 
 
@@ -109,7 +109,7 @@ def test_differences_between_modes_and_reduce_dtypes_are_reported(runs):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (CLASSIC_DDP, "mixed_precision_mode autocast"),
+    ([*CLASSIC_DDP, *BF16], "mixed_precision_mode autocast"),
     (["--training.mixed_precision_param", "float16"], "loss scaling"),
     (["--compile.autograd"], "compile.autograd"),
     (["--parallelism.dp_backend", "ddp", "--parallelism.dp_shard", "2", *AUTOCAST], "dp_backend"),

@@ -5,7 +5,7 @@ TP2, DDP2+TP2 and FSDP2+TP2 in fp32 and bf16 over 6 steps are rows of the parity
 
 import pytest
 
-from conftest import AUTOCAST, FP32, layout_run, losses, max_abs_diff, run_plait
+from conftest import AUTOCAST, BF16, layout_run, losses, max_abs_diff, run_plait
 
 pytestmark = pytest.mark.slow
 TP2 = ["--parallelism.tp", "2"]
@@ -15,15 +15,15 @@ def test_tp2_without_sp_and_loss_parallel_matches_single_device_fp32(train_once)
     """TP splits each matmul's reduction (row-wise layers sum two partial products), so fp32
     results differ in the last bits per step: measured 4.8e-7 over 6 steps (9.5e-7 over 20),
     with SP and loss parallel (parity matrix) and without them (here); bound 1e-6."""
-    no_sp = layout_run(train_once, "tp", FP32, ["--parallelism.no_sequence_parallel", "--parallelism.no_loss_parallel"])
-    diff = max_abs_diff(losses(no_sp[0]), losses(layout_run(train_once, "single", FP32)[0]))
+    no_sp = layout_run(train_once, "tp", [], ["--parallelism.no_sequence_parallel", "--parallelism.no_loss_parallel"])
+    diff = max_abs_diff(losses(no_sp[0]), losses(layout_run(train_once, "single")[0]))
     print(f"\nfp32 TP2 without SP/loss parallel vs single: {diff:.2e}")
     assert diff <= 1e-6
 
 
 def test_hsdp_tp_world8_matches_single_device(tmp_path):
     """Eight ranks on two cores: slow but the only way to have 2 x 2 x 2. Measured 4.8e-7."""
-    steps = ["--training.steps", "4", *FP32]
+    steps = ["--training.steps", "4"]
     hsdp_tp, _ = run_plait(tmp_path, *steps, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *TP2,
                            nproc=8)
     single, _ = run_plait(tmp_path, *steps)
@@ -34,8 +34,8 @@ def test_hsdp_tp_world8_matches_single_device(tmp_path):
 
 @pytest.mark.parametrize("mode", ["param", "autocast"])
 def test_tp_layouts_compute_in_bf16_and_name_their_collectives(train_once, mode):
-    # param is the default: that run is the parity matrix's bf16 FSDP2+TP2 row
-    _, probe = layout_run(train_once, "fsdp2_tp", [], AUTOCAST if mode == "autocast" else [])
+    # the param run is the parity matrix's bf16 FSDP2+TP2 row
+    _, probe = layout_run(train_once, "fsdp2_tp", BF16, AUTOCAST if mode == "autocast" else [])
     by = lambda phase, kind: {(r["op"], r["dtypes"]) for r in probe if r["phase"] == phase and r["kind"] == kind}
     assert {d for _, d in by("forward", "matmul")} == {"bfloat16"}, probe
     assert {d for _, d in by("backward", "matmul")} == {"bfloat16"}, probe

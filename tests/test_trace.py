@@ -3,7 +3,7 @@ from them which collectives each layout really ran, by phase and dtype."""
 
 import pytest
 
-from conftest import run_plait
+from conftest import BF16, run_plait
 from plait.cli import main
 from plait.trace import summarise
 
@@ -12,6 +12,10 @@ LAYOUTS = {  # name: (world, options)
     "ddp_bf16_reduce": (2, ["--parallelism.dp_replicate", "2", "--training.mixed_precision_reduce", "bfloat16"]),
     "tp": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
     "hsdp": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
+    # classic DDP, two micro-batches per step (global 4 = micro 1 x dp 2 x accumulation 2), bf16 reduce
+    "classic_ddp_accum2": (2, ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2",
+                               "--training.mixed_precision_mode", "autocast", "--training.micro_batch_size", "1",
+                               "--training.mixed_precision_reduce", "bfloat16"]),
 }
 
 
@@ -26,7 +30,7 @@ def traces(tmp_path_factory):
             folder.mkdir()
             (folder / "rank2.json").write_text("{}")  # left by an earlier, larger job: must go
             world, args = LAYOUTS[layout]
-            run_plait(folder.parent, *args, "--training.steps", "3", "--profiling.enable",
+            run_plait(folder.parent, *args, *BF16, "--training.steps", "3", "--profiling.enable",
                       "--profiling.folder", str(folder), nproc=world)
             folders[layout] = folder
         return folders[layout]
@@ -80,6 +84,27 @@ def test_ddp_all_reduces_in_backward_in_the_asked_reduce_dtype(traces, capsys):
 
 
 @pytest.mark.slow
+def test_classic_ddp_reduces_once_per_step_not_per_micro_batch(traces, capsys):
+    """DDP decides in forward whether backward reduces, so `no_sync` must span the forward of
+    every micro-batch but the last: else each micro-batch all-reduces (and, with the bf16 hook,
+    rounds already-averaged gradients to bf16 again). The debug model's gradients fill two DDP
+    buckets (1 MiB in bf16): two all-reduces per step carrying every gradient exactly once."""
+    import torch
+
+    from plait.model import Transformer, model_args, num_params
+
+    folder = traces("classic_ddp_accum2")
+    code, out, err = trace(capsys, folder, "--expect", "backward:all_reduce:bf16=2", "--expect", "forward:!all_reduce")
+    assert code == 0, out + err
+    with torch.device("meta"):
+        gradient_bytes = 2 * num_params(Transformer(model_args("debug", 512)))
+    [reduced] = [r for r in summarise(folder) if (r["phase"], r["kind"]) == ("backward", "all_reduce")]
+    assert reduced["bytes_per_step"] == gradient_bytes
+    code, _, err = trace(capsys, folder, "--expect", "backward:all_reduce=4")
+    assert code == 1 and "ran 2 times per step" in err
+
+
+@pytest.mark.slow
 def test_hsdp_shards_within_and_all_reduces_across_replicas(traces, capsys):
     code, out, err = trace(capsys, traces("hsdp"), "--expect", "forward:all_gather:bf16",
                            "--expect", "backward:reduce_scatter:fp32", "--expect", "backward:all_reduce:fp32",
@@ -101,6 +126,7 @@ def test_tensor_parallel_communicates_in_forward_and_backward(traces, capsys):
     (["{tmp}", "--expect", "forward:allgather"], "phases: forward, backward, optimizer, step; kinds: all_gather"),
     (["{tmp}", "--expect", "forward:!all_gather:bf16"], "is not phase:kind:dtype"),
     (["{tmp}", "--expect", "forward:all_gather:bf17"], "dtypes: bfloat16"),
+    (["{tmp}", "--expect", "forward:!all_gather=2"], "optionally =N calls per step"),
     (["{tmp}/truncated"], "rank0.json is not a complete Chrome trace"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, fragment):

@@ -20,7 +20,7 @@ def test_metrics_rows_tensorboard_and_reproducibility(tmp_path):
     second, _ = run_plait(tmp_path, *args)
     assert [row["step"] for row in first] == list(range(1, 13))
     assert REQUIRED <= set(first[0])
-    assert all(row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1 and row["memory_gib"] > 0 for row in first)
+    assert all(row["tokens_per_sec"] > 0 and 0 < row["mfu"] <= 1 and row["memory_gib"] > 0 for row in first)
     assert losses(first) == losses(second), "two identical runs must be bitwise identical"
     assert losses(first)[-1] < losses(first)[0] - 0.3, "the loss must fall"
     warmup_lrs = [row["lr"] for row in first[:2]]

@@ -55,7 +55,8 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Pr
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Context for one micro-batch's backward: reduce gradients only when `enabled` (the last)."""
+    """Context for one micro-batch's forward and backward: reduce gradients only when `enabled`
+    (the last). DDP's `no_sync` must cover the forward: DDP prepares its reducer there."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext() if enabled else model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):
