@@ -25,7 +25,7 @@ import tyro
 
 from plait.config import Data, Flavor, Training
 from plait.data import tokenize_corpus
-from plait.hardware import matmul_shapes, peak_flops
+from plait.hardware import linear_shapes, peak_flops
 from plait.metrics import Utilisation, peak_memory_gib, state_memory_gib
 from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, model_args
 
@@ -59,7 +59,7 @@ def train(cfg: BaselineConfig) -> None:
         lr=hp.lr, betas=(0.9, 0.95), eps=1e-8)  # no schedule: it changes the numbers, not the cost
     dtype = getattr(torch, cfg.dtype)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    peak = peak_flops(device, dtype, matmul_shapes(linear_weight_shapes(args), tokens_per_step))
+    peak = peak_flops(device, dtype, linear_shapes(linear_weight_shapes(args), tokens_per_step))
     utilisation = Utilisation(flops_per_token(args, cfg.seq_len), peak, devices=1)
     state_gib = None
     for step in range(1, cfg.steps + 1):

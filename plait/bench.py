@@ -29,7 +29,7 @@ import tyro
 
 from plait.config import ConfigError, Data, Flavor
 from plait.data import tokenize_corpus
-from plait.hardware import device_name, matmul_shapes, native_bf16, peak_flops, pick_device
+from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.model import linear_weight_shapes, model_args
 from plait.trace import summarise
 
@@ -145,7 +145,7 @@ def hardware(cfg: BenchConfig, flavor: str) -> dict:
     threads = cfg.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     args = model_args(flavor, tokenize_corpus(Data())[1].get_vocab_size())
-    shapes = matmul_shapes(linear_weight_shapes(args), cfg.global_batch_size * cfg.seq_len)
+    shapes = linear_shapes(linear_weight_shapes(args), cfg.global_batch_size * cfg.seq_len)
     dtypes = DTYPES if native or cfg.emulated_bf16 == "run" else DTYPES[:1]
     return {"device": device_name(device), "native_bf16": native, "why": why, "threads": threads, "dtypes": dtypes,
             "peak_tflops": {dtype: peak_flops(device, getattr(torch, dtype), shapes).flops / 1e12 for dtype in dtypes}}

@@ -88,7 +88,7 @@ def seed_checkpoint(argv: list[str]) -> int:
     from plait.data import build_tokenizer
     from plait.model import model_args
 
-    args = model_args(cfg.model.flavor, build_tokenizer(cfg.data).get_vocab_size())
+    args = model_args(cfg.model.flavor, build_tokenizer(cfg.data).get_vocab_size(), cfg.model.n_layers)
     write_seed_checkpoint(cfg, args, out)
     print(f"plait: seed checkpoint of {cfg.model.flavor} (seed {cfg.training.seed}) written to {out}")
     return 0

@@ -152,7 +152,8 @@ def plan(args: CompareArgs, shared: list[str]):
 
     shared_cfg = parse_args([*shared, "--training.steps", str(args.steps)], prog="plait compare")
     try:  # model and data options are shared, so one tokenizer settles the model for every run
-        model = model_args(shared_cfg.model.flavor, build_tokenizer(shared_cfg.data).get_vocab_size())
+        model = model_args(shared_cfg.model.flavor, build_tokenizer(shared_cfg.data).get_vocab_size(),
+                           shared_cfg.model.n_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     runs = []

@@ -30,6 +30,8 @@ class ConfigError(ValueError):
 class Model:
     flavor: Flavor = "debug"
     """model size: debug (tiny), small (~90M, CPU benchmarks) or a real Llama 3 shape"""
+    n_layers: int = 0
+    """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
 
 
 @dataclass
@@ -74,7 +76,16 @@ class Parallelism:
     tp: int = 1
     """tensor-parallel degree"""
     pp: int = 1
-    """pipeline-parallel degree"""
+    """pipeline-parallel degree (the outermost mesh dimension)"""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    """with pp > 1: torch.distributed.pipelining schedule; interleaved_* and zbv run several stages per rank"""
+    pp_microbatches: int = 0
+    """with pp > 1: pipeline micro-batches per step, which split the local batch; 0 = the number of stages"""
+    pp_stages_per_rank: int = 0
+    """with pp > 1: stages per rank; 0 = 1 for gpipe/1f1b, 2 for interleaved_*/zbv (zbv needs exactly 2)"""
+    pp_split_points: tuple[int, ...] = ()
+    """with pp > 1: the first block of every stage but the first (stages - 1 increasing block indices);
+    empty = balanced, the embedding and the output layer counting as one block each"""
     sequence_parallel: bool = True
     """with tp > 1: split norms and the residual stream along the sequence between TP regions"""
     loss_parallel: bool = True
@@ -213,6 +224,8 @@ def toml_to_args(path: Path) -> list[str]:
             flag = f"--{section}.{key}"
             if isinstance(value, bool):
                 args.append(flag if value else f"--{section}.no_{key}")
+            elif isinstance(value, list):
+                args += [flag, *map(str, value)]
             else:
                 args += [flag, str(value)]
     return args
@@ -245,8 +258,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("dp_replicate", "tp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
-    if p.pp > 1:
-        raise ConfigError("parallelism.pp: pipeline parallelism is not available yet; allowed: 1")
+    if cfg.model.n_layers < 0:
+        raise ConfigError(f"model.n_layers: must be >= 0 (0 = the flavor's), got {cfg.model.n_layers}")
     others = p.dp_replicate * p.tp * p.pp
     if p.dp_shard == -1:
         if world % others:
@@ -292,6 +305,10 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(
             f"training.global_batch_size: {t.global_batch_size} must be a multiple of micro_batch_size"
             f" ({t.micro_batch_size}) x dp degree ({dp})")
+    if p.pp > 1:
+        from plait.parallel.pipeline import check_pipeline
+
+        check_pipeline(cfg)
     if cfg.metrics.log_interval < 1 or cfg.comm.timeout_seconds < 1:
         raise ConfigError("metrics.log_interval and comm.timeout_seconds: must be >= 1")
     for name in ("path", "tokenizer"):

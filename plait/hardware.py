@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from plait.data import cache_dir, cached_file
 
@@ -77,35 +78,34 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
     return False, f"this CPU ({isa}) has neither AMX nor AVX512-BF16, so bf16 matmuls would be emulated"
 
 
-def matmul_shapes(weights: list[tuple[int, int]], tokens: int) -> list[tuple[int, int, int]]:
-    """(m, k, n) of the matmuls a linear layer of weight (out, in) runs on `tokens` rows in a
-    training step: forward (tokens x in @ in x out), input gradient and weight gradient."""
-    shapes = set()
-    for out, inp in weights:
-        shapes |= {(tokens, inp, out), (tokens, out, inp), (out, tokens, inp)}
-    return sorted(shapes)
+def linear_shapes(weights: list[tuple[int, int]], tokens: int) -> list[tuple[int, int, int]]:
+    """(tokens, in, out) of each distinct linear layer of weight (out, in) on `tokens` rows."""
+    return sorted({(tokens, inp, out) for out, inp in weights})
 
 
 def measure_peak(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int, int]],
                  seconds_per_shape: float = 0.1) -> float:
-    """The best FLOP/s any of `shapes` reaches here: the fastest matmul the model itself runs,
-    so a whole step (those matmuls plus slower ops) cannot exceed it. Each shape repeats within
-    a time budget and keeps its best call, which filters out the first call's warm-up and
-    moments when other processes held the cores; a shape slower than the budget (emulated
-    bf16) is measured by its one call."""
+    """The best FLOP/s of a linear layer's training step (forward, input and weight gradient:
+    6 x tokens x in x out FLOPs) over the model's layer shapes: the ops, kernels and layouts
+    the model itself runs, so a whole step (those matmuls plus slower ops) cannot beat it.
+    Each shape repeats within a time budget and keeps its best round, which filters out the
+    first call's warm-up and moments when other processes held the cores; a shape slower than
+    the budget (emulated bf16) is measured by its one round."""
     best = 0.0
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device=device).to(dtype)
-        b = torch.randn(k, n, device=device).to(dtype)
+    for tokens, inp, out in shapes:
+        x = torch.randn(tokens, inp, device=device).to(dtype).requires_grad_()
+        w = torch.randn(out, inp, device=device).to(dtype).requires_grad_()
+        grad = torch.randn(tokens, out, device=device).to(dtype)
         spent = 0.0
         while spent < seconds_per_shape:
+            x.grad = w.grad = None
             begin = time.perf_counter()
-            a @ b
+            F.linear(x, w).backward(grad)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - begin
             spent += elapsed
-            best = max(best, 2 * m * k * n / elapsed)
+            best = max(best, 6 * tokens * inp * out / elapsed)
     return best
 
 
@@ -134,7 +134,7 @@ class Peak:
 
 def peak_flops(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> Peak:
     """Peak matmul FLOP/s of one device in `dtype`: a data sheet for known GPUs, else measured
-    once on the model's matmul shapes and cached."""
+    once on the model's linear layers and cached."""
     if device.type == "cuda":
         name = device_name(device)
         for pattern, bf16, fp32 in GPU_PEAK_TFLOPS:
@@ -143,4 +143,4 @@ def peak_flops(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int,
     path = peak_cache_file(device, dtype, shapes)
     flops = cached_file(path, lambda: measure_peak(device, dtype, shapes),
                         lambda value, tmp: tmp.write_text(json.dumps(value)), lambda p: json.loads(p.read_text()))
-    return Peak(flops, f"fastest of the model's matmul shapes here, measured once, cached in {path}", path)
+    return Peak(flops, f"the model's fastest linear layer here, measured once, cached in {path}", path)

@@ -57,9 +57,10 @@ FLAVORS = {
 }
 
 
-def model_args(flavor: str, tokenizer_vocab: int) -> ModelArgs:
-    """The flavor's shape with its vocabulary settled against the tokenizer's."""
-    args = FLAVORS[flavor]
+def model_args(flavor: str, tokenizer_vocab: int, n_layers: int = 0) -> ModelArgs:
+    """The flavor's shape (with `n_layers` blocks, if given) and its vocabulary settled against
+    the tokenizer's."""
+    args = replace(FLAVORS[flavor], n_layers=n_layers or FLAVORS[flavor].n_layers)
     if args.vocab_size == 0:
         # Round up so the embedding splits evenly under tensor parallelism.
         return replace(args, vocab_size=64 * math.ceil(tokenizer_vocab / 64))
@@ -147,6 +148,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keeps FQNs stable ("layers.3") when pipeline stages drop some layers.
+        # Stages also drop the embedding (all but the first) and norm + output (all but the last).
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -155,14 +157,15 @@ class Transformer(nn.Module):
 
     def reset_buffers(self) -> None:
         """(Re)compute the RoPE table: after `to_empty` a non-persistent buffer holds garbage."""
-        device = self.tok_embeddings.weight.device
+        device = next(self.parameters()).device
         self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta).to(device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
+        # A pipeline stage lacks some parts: what it lacks, the activations pass through.
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             x = layer(x, self.rope)
-        return self.output(self.norm(x))
+        return self.output(self.norm(x)) if self.output is not None else x
 
     def init_std(self, name: str) -> float | None:
         """Init scale of parameter `name`: None = ones (norms), else a truncated normal's std.

@@ -109,17 +109,20 @@ class TrainContexts:
                  loss_parallel: bool = False):
         self.precision, self.device_type, self.compiled_autograd = precision, device_type, compiled_autograd
         self.loss_parallel = loss_parallel
-        self.phase = "setup"
+        self.phase = "step"  # between phases: the loss and grad-norm reductions
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        self.phase = name
-        with torch.profiler.record_function(name), contextlib.ExitStack() as stack:
-            if self.loss_parallel and name in ("forward", "backward"):
-                # Cross-entropy on vocabulary-sharded logits; its backward needs the context too.
-                stack.enter_context(loss_parallel())
-            yield
-        self.phase = "step"
+        # Phases nest under pipelining (a stage's loss inside its forward): restore the outer one.
+        outer, self.phase = self.phase, name
+        try:
+            with torch.profiler.record_function(name), contextlib.ExitStack() as stack:
+                if self.loss_parallel and name in ("forward", "backward"):
+                    # Cross-entropy on vocabulary-sharded logits; its backward needs the context too.
+                    stack.enter_context(loss_parallel())
+                yield
+        finally:
+            self.phase = outer
 
     @contextlib.contextmanager
     def forward(self):

@@ -21,9 +21,10 @@ from plait import hf, parallel
 from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
 from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
 from plait.data import BatchLoader, tokenize_corpus
-from plait.hardware import matmul_shapes, peak_flops, pick_device
+from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
-from plait.model import cross_entropy, flops_per_token, linear_weight_shapes, model_args, num_params
+from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, model_args, num_params
+from plait.parallel.pipeline import Pipeline, microbatches
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
 from plait.probe import DtypeProbe
@@ -79,7 +80,7 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
 
-def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
+def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> float:
     """Global gradient norm over all shards, clipping to max_norm unless it is 0.
 
     Squares are summed in float64: each layout sums shards in its own order, and in fp32 those
@@ -87,7 +88,7 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
     bitwise equality of layouts. In fp64 the fp32-rounded result is the same in every layout.
     Gradients may also live on different meshes (e.g. TP weights on (dp, tp), norms without
     sequence parallelism on dp only), which one stacked norm cannot mix: norm per mesh, then
-    combine.
+    combine. Under pipeline parallelism each stage's sum of squares is added over `pp_group`.
     """
     by_mesh: dict = {}
     for p in model.parameters():
@@ -98,7 +99,10 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float) -> float:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64)
                                                      for p in params]))
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt().float()
+    total = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    total = total.sqrt().float()
     if max_norm:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
@@ -129,7 +133,7 @@ def run(cfg: JobConfig) -> list[dict]:
         torch.use_deterministic_algorithms(True)
     tokens, tokenizer = tokenize_corpus(cfg.data)
     try:
-        args = model_args(cfg.model.flavor, tokenizer.get_vocab_size())
+        args = model_args(cfg.model.flavor, tokenizer.get_vocab_size(), cfg.model.n_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.training.seq_len > args.max_seq_len:
@@ -157,22 +161,27 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
                          dp_mesh.get_local_rank(), dp_mesh.size(), t.seed)
 
     precision = resolve(cfg)
+    pp = cfg.parallelism.pp > 1  # the pipeline enters loss parallelism around its whole schedule
     contexts = TrainContexts(precision, device.type, cfg.compile.autograd,
-                             loss_parallel=cfg.parallelism.tp > 1 and cfg.parallelism.loss_parallel)
-    model = parallel.build_model(args, mesh, cfg, precision, device)
+                             loss_parallel=cfg.parallelism.tp > 1 and cfg.parallelism.loss_parallel and not pp)
+    pipeline = Pipeline(args, mesh, cfg, precision, device, contexts) if pp else None
+    model = pipeline.module if pipeline else parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
     checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity)
     done = checkpointer.restore()
 
     accum = grad_accumulation_steps(cfg)
     tokens_per_step = t.global_batch_size * t.seq_len
-    shapes = matmul_shapes(linear_weight_shapes(args), t.micro_batch_size * t.seq_len)
+    sequences_per_forward = t.micro_batch_size // (microbatches(cfg) if pipeline else 1)
+    shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len)
     peak = peak_flops(device, precision.compute, shapes)
     utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size())
     logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done) \
         if rank == 0 else None
     if rank == 0:
-        print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor}: {num_params(model) / 1e6:.1f}M params, "
+        with torch.device("meta"):
+            whole = Transformer(args)
+        print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor}: {num_params(whole) / 1e6:.1f}M params, "
               f"vocab {args.vocab_size} | {loader.num_sequences} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
               f"{peak}\nplait: {precision.describe()}", flush=True)
@@ -191,6 +200,11 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
             with probe, profiler.step(step):
                 loss_sum = torch.zeros((), device=device)
                 batches = loader.next_batches()
+                if pipeline:  # one local batch (accumulation is the pipeline's micro-batching)
+                    [(inputs, labels)] = batches
+                    loss_sum += pipeline.step(inputs.to(device), labels.to(device))
+                    dist.all_reduce(loss_sum, group=pipeline.group)  # from the last stage to every rank
+                    batches = []
                 for i, (inputs, labels) in enumerate(batches):
                     # Reduce gradients once per step, after the last micro-batch, not after each one.
                     # The context spans forward too: DDP decides in forward whether backward reduces.
@@ -203,7 +217,7 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
                     loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
                 dist.all_reduce(loss_sum, group=dp_mesh.get_group())
                 loss_value = loss_sum.item() / (accum * dp_mesh.size())
-                grad_norm = clip_and_norm(model, t.max_norm)
+                grad_norm = clip_and_norm(model, t.max_norm, pipeline.group if pipeline else None)
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                     raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
                                         f"stopped before the optimizer step, weights are from step {step - 1}")

@@ -26,7 +26,7 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     rows = {row["key"]: row for row in result["rows"]}
     assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2"]
     for dtype in ("float32", "bfloat16"):
-        assert all(row[f"{dtype}_tokens_per_sec"] > 0 and row[f"{dtype}_mfu"] > 0 and row[f"{dtype}_vs_raw"] > 0
+        assert all(row[f"{dtype}_tokens_per_sec"] > 0 and row[f"{dtype}_vs_raw"] > 0
                    and row[f"{dtype}_memory_gib"] > 0 for row in rows.values())
         assert rows["raw_pytorch"][f"{dtype}_vs_raw"] == 1
         # Same model, same fp32 parameters, gradients and AdamW state: plait adds no state memory.
@@ -43,7 +43,10 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     machine = result["hardware"]["debug"]
     assert out.with_suffix(".md").read_text().startswith(f"hardware: {machine['device']} | native bf16: ")
     assert set(machine["peak_tflops"]) == {"float32", "bfloat16"} and all(machine["peak_tflops"].values())
-    assert all(0 < row[f"{dtype}_mfu"] <= 1 for row in rows.values() for dtype in ("float32", "bfloat16"))
+    # MFU is at most 1, or not reported where a calibration proved too low (see test_hardware)
+    assert all(row[f"{dtype}_mfu"] is None or 0 < row[f"{dtype}_mfu"] <= 1
+               for row in rows.values() for dtype in ("float32", "bfloat16"))
+    assert any(row["float32_mfu"] for row in rows.values())
 
 
 def test_bench_says_when_bf16_was_not_measured():

@@ -29,6 +29,13 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Pr
     """The model, parallelised, on `device`, holding the layout-independent initial weights."""
     with torch.device("meta"):
         model = Transformer(args)
+    return parallelize(model, mesh, cfg, precision, device)
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision: Precision,
+                device: torch.device, pipelined: bool = False) -> nn.Module:
+    """Apply every plan to a model (or a pipeline stage's part of it) on the meta device, then
+    materialise and initialise what this rank owns."""
     backend = cfg.parallelism.dp_backend
     if cfg.compile.enable and backend != "simple_fsdp":
         # Compile each block's forward in place: FQNs stay those of the plain model, and the
@@ -40,7 +47,7 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Pr
     if backend == "simple_fsdp":
         apply_simple_fsdp(model, mesh, precision, cfg.parallelism.reshard_after_forward)
     elif backend == "fsdp2":
-        apply_fsdp(model, mesh[DP_DIMS], precision)
+        apply_fsdp(model, mesh[DP_DIMS], precision, pipelined)
     model.to_empty(device=device)
     with raw_parameters():  # SimpleFSDP: write the stored shards, not gathered temporaries
         init_weights(model, cfg.training.seed)

@@ -15,13 +15,17 @@ from torch.distributed.fsdp import fully_shard
 from plait.precision import Precision
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision) -> nn.Module:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision, pipelined: bool = False) -> nn.Module:
     policy = precision.fsdp_policy()
     # Each block is its own unit so only one block's full parameters exist at a time. The last
     # block is not resharded after forward: backward needs it immediately. Without a shard
     # dimension (DDP, single device) resharding saves no memory and would only repeat the
     # all-gather copies in backward, so parameters stay unsharded from forward to backward.
-    sharded = dp_mesh["dp_shard"].size() > 1
+    # Under pipeline parallelism neither: a stage runs the forwards of several micro-batches
+    # before their backwards, and resharding would re-gather every block once per micro-batch
+    # in each phase; a stage holds 1/pp of the blocks, so keeping them gathered for the step
+    # costs 1/pp of what it would without pipelining (torchtitan's choice too).
+    sharded = dp_mesh["dp_shard"].size() > 1 and not pipelined
     if dp_mesh["dp_replicate"].size() == 1:
         # On a 2-D mesh FSDP2 takes its HSDP path and all-reduces gradients over dp_replicate even
         # when that group is one rank (about 1 MiB per step on the debug model, seen in traces).

@@ -7,7 +7,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.config import JobConfig
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# Pipeline parallelism outermost: its point-to-point traffic is the lightest, so it is the
+# dimension that crosses nodes; tensor parallelism, the heaviest, stays innermost (one node).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -16,7 +18,7 @@ def build_mesh(cfg: JobConfig, device_type: str) -> tuple[DeviceMesh, DeviceMesh
     addresses the same names), and its flattened data-parallel view: the ranks that read
     different data, over which the loader splits batches and the loss is averaged."""
     p = cfg.parallelism
-    mesh = init_device_mesh(device_type, (p.dp_replicate, p.dp_shard, p.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.tp), mesh_dim_names=MESH_DIMS)
     return mesh, mesh[DP_DIMS]._flatten("dp")
 
 
@@ -32,4 +34,6 @@ def describe(mesh: DeviceMesh) -> str:
         layout = "single device"
     if sizes["tp"] > 1:
         layout = "TP" if layout == "single device" else f"{layout}+TP"
+    if sizes["pp"] > 1:
+        layout = "PP" if layout == "single device" else f"PP+{layout}"
     return f"{layout} on mesh {sizes} ({mesh.device_type}, {torch.distributed.get_backend()})"

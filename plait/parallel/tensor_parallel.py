@@ -45,7 +45,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     }
     if sequence_parallel:
         outer["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, outer)
+    # A pipeline stage holds some of these parts only; between stages activations travel as the
+    # local pieces of `between`, which the next stage's first block expects.
+    parallelize_module(model, tp_mesh, {name: plan for name, plan in outer.items() if getattr(model, name) is not None})
     for block in model.layers.values():
         plan = {
             # The block input arrives split (SP) and is gathered once for q/k/v; RoPE's table

@@ -1,0 +1,213 @@
+"""Pipeline parallelism: the model cut into stages along its blocks, run by a schedule of
+`torch.distributed.pipelining`, on the outermost mesh dimension `pp`.
+
+A stage is the plain model with the other stages' blocks deleted, and without the embedding
+(all but the first stage) or the final norm and output layer (all but the last), so every
+parameter keeps the whole model's name: checkpoints, seed checkpoints and the Hugging Face
+export move between pipelined and plain layouts unchanged. On each stage TP and FSDP2 apply as
+to a whole model, and the weights are the same `(seed, name)` init as everywhere.
+
+Gradient scaling is exactly that of accumulation: the schedule splits the local batch into m
+micro-batches, each micro-batch's loss is divided by m inside the loss function, and the
+schedule itself never rescales (`scale_grads=False`: its own division by m after every step
+would turn any further accumulation into a moving average). Accumulation is the pipeline's own
+micro-batching, so `training.micro_batch_size` stays the whole local batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from plait.config import ConfigError, JobConfig, dp_degree
+from plait.model import FLAVORS, ModelArgs, Transformer, cross_entropy
+from plait.precision import Precision, TrainContexts
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
+
+
+def stages_per_rank(cfg: JobConfig) -> int:
+    p = cfg.parallelism
+    return p.pp_stages_per_rank or (2 if p.pp_schedule in MULTI_STAGE else 1)
+
+
+def microbatches(cfg: JobConfig) -> int:
+    return cfg.parallelism.pp_microbatches or cfg.parallelism.pp * stages_per_rank(cfg)
+
+
+def check_pipeline(cfg: JobConfig) -> None:
+    """Every pipeline option against the others, before any process group: one line each."""
+    p, t = cfg.parallelism, cfg.training
+    per_rank, m = stages_per_rank(cfg), microbatches(cfg)
+    stages = p.pp * per_rank
+    if p.dp_backend != "fsdp2":
+        raise ConfigError(f"parallelism.dp_backend: {p.dp_backend} cannot run under pipeline parallelism (the schedule "
+                          "holds gradient reduction back to a stage's last micro-batch for fully_shard modules only, "
+                          "so every micro-batch would reduce); allowed with pp > 1: fsdp2 (DDP, FSDP2, HSDP)")
+    if p.pp_schedule in ("gpipe", "1f1b") and per_rank != 1:
+        raise ConfigError(f"parallelism.pp_stages_per_rank: {p.pp_schedule} runs one stage per rank, got {per_rank}; "
+                          "allowed: 1, or a schedule of several (interleaved_1f1b, interleaved_zb, zbv)")
+    if p.pp_schedule == "zbv" and per_rank != 2:
+        raise ConfigError(f"parallelism.pp_stages_per_rank: zbv places exactly 2 stages per rank (a V), got {per_rank}")
+    if p.pp_schedule.startswith("interleaved") and per_rank < 2:
+        raise ConfigError(f"parallelism.pp_stages_per_rank: {p.pp_schedule} interleaves several stages per rank, "
+                          f"got {per_rank}; allowed: 2 or more")
+    if p.pp_schedule == "zbv" and cfg.compile.enable:
+        raise ConfigError("compile.enable: zbv splits backward into input and weight gradients, which torch.compile "
+                          "cannot (torch 2.13); allowed: another pp_schedule, or no compile")
+    local = t.global_batch_size // dp_degree(cfg)
+    if t.micro_batch_size != local:
+        raise ConfigError(f"training.micro_batch_size: under pipeline parallelism the pipeline's micro-batches are the "
+                          f"accumulation; allowed: 0 or {local} (global_batch_size / dp), with "
+                          "parallelism.pp_microbatches setting the split")
+    if m < 1 or local % m:
+        raise ConfigError(f"parallelism.pp_microbatches: {m} does not divide the local batch {local} "
+                          f"(global_batch_size / dp); allowed: a divisor of {local}")
+    if p.pp_schedule in ("1f1b", "zbv") and m < stages:
+        raise ConfigError(f"parallelism.pp_microbatches: {p.pp_schedule} needs at least one micro-batch per stage "
+                          f"({stages}), got {m}")
+    if p.pp_schedule.startswith("interleaved") and m % max(1, m // p.pp):
+        raise ConfigError(f"parallelism.pp_microbatches: {p.pp_schedule} runs micro-batches in rounds of pp ({p.pp}); "
+                          f"got {m}, allowed: a multiple of {p.pp} or fewer than {2 * p.pp}")
+    split_blocks(cfg.model.n_layers or FLAVORS[cfg.model.flavor].n_layers, stages, p.pp_split_points)
+
+
+def split_blocks(n_layers: int, stages: int, split_points: tuple[int, ...] = ()) -> list[range]:
+    """The blocks of each stage, contiguous and in order. By default balanced with the
+    embedding and the output layer counting as one block each (the first and last stages get
+    a block less where that evens the work); `split_points` gives each stage's first block."""
+    if n_layers < stages:
+        raise ConfigError(f"parallelism.pp: {stages} stages need at least {stages} blocks, the model has {n_layers}; "
+                          "allowed: fewer stages (pp x pp_stages_per_rank), or more blocks (model.n_layers)")
+    if split_points:
+        points = list(split_points)
+        if len(points) != stages - 1 or points != sorted(set(points)) or points[0] < 1 or points[-1] >= n_layers:
+            raise ConfigError(f"parallelism.pp_split_points: {points} is not {stages - 1} increasing block indices "
+                              f"in 1..{n_layers - 1} (one per stage after the first)")
+    else:
+        units, points = n_layers + 2, []
+        for k in range(1, stages):
+            ideal = int(k * units / stages + 0.5) - 1  # unit u is block u - 1: unit 0 is the embedding
+            points.append(min(max(ideal, points[-1] + 1 if points else 1), n_layers - (stages - k)))
+    bounds = [0, *points, n_layers]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def stage_indices(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    """The stages a rank runs: round-robin ("loop"), or for zbv a V (rank r: r and 2pp-1-r)."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def stage_model(args: ModelArgs, blocks: range, first: bool, last: bool) -> Transformer:
+    """The plain model on the meta device with only one stage's parts, named as in the whole."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    for i in range(args.n_layers):
+        if i not in blocks:
+            del model.layers[str(i)]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = model.output = None
+    return model
+
+
+class Stage(PipelineStage):
+    """A PipelineStage that runs its forward and backward in plait's phase contexts, as outside
+    pipelining: autocast (in autocast mode) around each stage's forward only, never around the
+    schedule's step, which runs backward too; the phase the probe and the profiler ranges record."""
+
+    def __init__(self, *args, contexts: TrainContexts, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.contexts = contexts
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.contexts.forward():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.contexts.backward():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with self.contexts.backward():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
+class StageParts(nn.Module):
+    """This rank's stages as one module under the whole model's parameter names (the
+    embedding, `layers.N`, norm, output), for the optimizer, clipping, checkpoints and init.
+    The stage modules themselves are held in a plain list, so no name gains a prefix."""
+
+    def __init__(self, parts: list[Transformer]):
+        super().__init__()
+        self.parts = parts
+        self.layers = nn.ModuleDict()
+        for part in parts:
+            self.layers.update(part.layers)
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(part, name) is not None:
+                    setattr(self, name, getattr(part, name))
+
+    def reset_buffers(self) -> None:
+        for part in self.parts:
+            part.reset_buffers()
+
+
+class Pipeline:
+    """This rank's stages (`module`) and the schedule that runs them."""
+
+    def __init__(self, args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Precision,
+                 device: torch.device, contexts: TrainContexts):
+        from plait.parallel import parallelize
+
+        p = cfg.parallelism
+        self.group, self.device = mesh["pp"].get_group(), device
+        self.loss_parallel = p.tp > 1 and p.loss_parallel  # `contexts` must not enter it (no nesting)
+        ranges = split_blocks(args.n_layers, p.pp * stages_per_rank(cfg), p.pp_split_points)
+        indices = stage_indices(mesh["pp"].get_local_rank(), p.pp, stages_per_rank(cfg), p.pp_schedule)
+        parts, stages = [], []
+        for index in indices:
+            part = stage_model(args, ranges[index], first=index == 0, last=index == len(ranges) - 1)
+            parts.append(parallelize(part, mesh, cfg, precision, device, pipelined=True))
+            stages.append(Stage(parts[-1], index, len(ranges), device, group=self.group, contexts=contexts))
+        self.module = StageParts(parts)
+        self.has_first, self.has_last = 0 in indices, len(ranges) - 1 in indices
+        m = microbatches(cfg)
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with contexts.forward():  # the loss belongs to the forward, as outside pipelining
+                loss = cross_entropy(logits, labels) / m
+            # Under loss parallelism a replicated DTensor: the schedule starts backward from a
+            # plain tensor, and to_local's backward turns that gradient back into a DTensor.
+            return loss.to_local() if isinstance(loss, DTensor) else loss
+
+        schedule = SCHEDULES[p.pp_schedule]
+        self.schedule = schedule(stages if p.pp_schedule in MULTI_STAGE else stages[0], n_microbatches=m,
+                                 loss_fn=loss_fn, scale_grads=False)
+        self.blocks = {index: list(ranges[index]) for index in indices}
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one local batch in micro-batches: the sum of its micro-batch
+        losses (each divided by m, so the batch's mean loss) on the last stage's ranks, else 0."""
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {}
+        # Loss parallelism around the whole step: at the first step the stages also run forward
+        # and backward for shape inference, outside the chunk methods that enter the phases.
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+            self.schedule.step(*([inputs] if self.has_first else []), **kwargs)
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += loss.detach()
+        return total
