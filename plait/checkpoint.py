@@ -193,27 +193,29 @@ class Checkpointer:
         manifest = self._load(folder, with_optimizer=True)
         self.loader.load_state_dict(manifest["loader"])
         self.scheduler.load_state_dict(manifest["scheduler"])
-        self._apply_hyperparameters()
+        self._apply_hyperparameters(manifest.get("hyperparameters", {}))
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
         if dist.get_rank() == 0:
             print(f"plait: resumed from {folder} (step {manifest['step']}) in {time.perf_counter() - start:.2f}s",
                   flush=True)
         return manifest["step"]
 
-    def _apply_hyperparameters(self) -> None:
+    def _apply_hyperparameters(self, saved: dict) -> None:
         """This run's training.lr and weight_decay win over the checkpoint's, as its steps and
         warmup_steps do (the schedule's shape comes from this run's options): the optimizer's
         groups and the schedule's base come back from the checkpoint, and would otherwise keep
-        the old values silently. The schedule continues from the resumed step."""
+        the old values silently. The schedule continues from the resumed step. (Under pipeline
+        parallelism DCP also drops the float entries of some ranks' param groups: every one is
+        set here from this run's options, AdamW's constants from the optimizer's defaults.)"""
         t, groups = self.cfg.training, self.optimizer.param_groups
-        old = (self.scheduler.base_lrs[0], groups[0]["weight_decay"])
         self.scheduler.base_lrs = [t.lr] * len(groups)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, decay in zip(groups, (t.weight_decay, 0.0)):  # build_optimizer: decayed, then norms
+            group.update({**self.optimizer.defaults, **{k: v for k, v in group.items() if k != "params"}})
             group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=decay)
         self.scheduler._last_lr = [group["lr"] for group in groups]
-        changed = [f"training.{name} {was:g} -> {now:g}" for name, was, now in
-                   zip(("lr", "weight_decay"), old, (t.lr, t.weight_decay)) if was != now]
+        changed = [f"training.{name} {saved[name]:g} -> {getattr(t, name):g}" for name in ("lr", "weight_decay")
+                   if name in saved and saved[name] != getattr(t, name)]
         if changed and dist.get_rank() == 0:
             print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former)",
                   flush=True)
@@ -242,7 +244,9 @@ class Checkpointer:
         if dist.get_rank() == 0 and folder.exists():
             shutil.rmtree(folder)  # debris of a save that never completed
         dist.barrier()
+        t = self.cfg.training
         manifest = _manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
+                             hyperparameters={"lr": t.lr, "weight_decay": t.weight_decay},
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()

@@ -51,6 +51,7 @@ class DtypeProbe(TorchDispatchMode):
         return [{"phase": phase, "kind": kind, "op": op, "dtypes": dtypes, "count": count}
                 for (phase, kind, op, dtypes), count in sorted(self.counts.items())]
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, records: list[dict] | None = None) -> None:
+        """Write `records` (default: this process's) as JSON."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.records(), indent=1))
+        Path(path).write_text(json.dumps(self.records() if records is None else records, indent=1))

@@ -29,7 +29,7 @@ PHASES = ("forward", "backward", "optimizer", "step")  # "step": outside those t
 # Op name (after the namespace, underscores dropped) prefix -> kind. c10d::* ops are what FSDP2,
 # DDP and torch.distributed issue; _c10d_functional::* are DTensor's (TP, SimpleFSDP).
 KIND_PREFIXES = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
-                 ("broadcast", "broadcast"), ("send", "send_recv"), ("recv", "send_recv"), ("alltoall", "all_to_all"))
+                 ("broadcast", "broadcast"), ("send", "send"), ("recv", "recv"), ("alltoall", "all_to_all"))
 KINDS = tuple(dict.fromkeys(kind for _, kind in KIND_PREFIXES))
 # Type names as traces spell them (C++ names in "Input type", ScalarType names in NCCL's
 # record_param_comms), lower-cased -> torch dtype names.
@@ -152,10 +152,21 @@ def read_trace(path: Path) -> tuple[int, list[Collective]]:
         dtype = (next(filter(None, map(_dtype, op["args"].get("Input type", []))), None)
                  or _dtype(comm.get("dtype", "")) or _gloo_dtype(op, kind, gloo) or "?")
         i = bisect.bisect_right(starts, op["ts"]) - 1
-        phase = spans[i][2] if i >= 0 and op["ts"] <= spans[i][1] else "step"
+        phase = spans[i][2] if i >= 0 and op["ts"] <= spans[i][1] else _p2p_phase(kind, i, spans)
         group = comm.get("Process Group Description", "?").removeprefix("mesh_")
         collectives.append(Collective(phase, kind, dtype, group, _bytes(op, dtype)))
     return steps or 1, collectives
+
+
+def _p2p_phase(kind: str, before: int, spans: list[tuple]) -> str:
+    """A pipeline's sends and receives run between a stage's forward and backward chunks: a
+    send carries what the chunk before it computed (activations after a forward, gradients
+    after a backward), a receive what the chunk after it needs. Anything else between phases
+    is "step"."""
+    neighbour = before if kind == "send" else before + 1
+    if kind in ("send", "recv") and 0 <= neighbour < len(spans) and spans[neighbour][2] in ("forward", "backward"):
+        return spans[neighbour][2]
+    return "step"
 
 
 def _gloo_dtype(op: dict, kind: str, gloo: list[dict]) -> str | None:

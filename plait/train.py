@@ -229,8 +229,14 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
                         state_gib = state_memory_gib(model, optimizer)
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
-            if isinstance(probe, DtypeProbe) and rank == 0:
-                probe.save(cfg.debug.dtype_probe)
+            if isinstance(probe, DtypeProbe):
+                # Pipeline stages differ: every rank's records, each with its rank, else rank 0's.
+                records = [{**r, "rank": rank} for r in probe.records()]
+                gathered = [None] * dist.get_world_size() if rank == 0 else None
+                if pipeline:
+                    dist.gather_object(records, gathered, dst=0)
+                if rank == 0:
+                    probe.save(cfg.debug.dtype_probe, [r for ranks in (gathered if pipeline else [records]) for r in ranks])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start

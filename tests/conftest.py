@@ -58,6 +58,12 @@ STEPS = ["--training.steps", "6"]
 AUTOCAST = ["--training.mixed_precision_mode", "autocast"]
 SIMPLE = ["--parallelism.dp_backend", "simple_fsdp"]
 TP2 = ["--parallelism.tp", "2"]
+PP2 = ["--parallelism.pp", "2"]
+DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
+
+
+def pp_schedule(name: str) -> list[str]:
+    return ["--parallelism.pp_schedule", name]
 
 
 def degrees(replicate: int, shard: int, tp: int = 1) -> list[str]:
@@ -81,7 +87,21 @@ LAYOUTS = {
     "simple_hsdp_w4": (4, [*SIMPLE, *degrees(2, 2)]),
     "simple_ddp_tp": (4, [*SIMPLE, *degrees(2, 1, tp=2)]),
     "simple_fsdp_tp": (4, [*SIMPLE, *degrees(1, 2, tp=2)]),
+    # Pipelines split the local batch into as many micro-batches as stages: at world 2 the two
+    # micro-batches of 2 the single device accumulates; the interleaved and V schedules run 4
+    # stages of a 4-block model on 4 micro-batches of 1, against `single_deep`.
+    "pp": (2, PP2),  # 1f1b
+    "pp_gpipe": (2, [*PP2, *pp_schedule("gpipe")]),
+    "single_deep": (1, [*DEEP, "--training.micro_batch_size", "1"]),
+    "pp_interleaved_1f1b": (2, [*PP2, *DEEP, *pp_schedule("interleaved_1f1b")]),
+    "pp_interleaved_zb": (2, [*PP2, *DEEP, *pp_schedule("interleaved_zb")]),
+    "pp_zbv": (2, [*PP2, *DEEP, *pp_schedule("zbv")]),
+    "pp_fsdp2": (4, [*PP2, *degrees(1, 2)]),
+    "pp_ddp": (4, [*PP2, *degrees(2, 1)]),
+    "pp_tp": (4, [*PP2, *degrees(1, 1, tp=2)]),
+    "pp_fsdp2_tp": (8, [*PP2, *degrees(1, 2, tp=2)]),
 }
+REFERENCE = {name: "single_deep" if "--model.n_layers" in args else "single" for name, (_, args) in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="session")

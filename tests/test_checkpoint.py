@@ -50,7 +50,8 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
     reference, _ = run_plait(tmp_path, *load, "--training.micro_batch_size", "2")
     own_init, _ = run_plait(tmp_path, "--training.steps", "2", "--training.micro_batch_size", "2")
     assert losses(own_init)[0] != losses(reference)[0]
-    for world, layout in [(2, ["--parallelism.dp_replicate", "2"]), (2, ["--parallelism.dp_shard", "2"])]:
+    for world, layout in [(2, ["--parallelism.dp_replicate", "2"]), (2, ["--parallelism.dp_shard", "2"]),
+                          (2, ["--parallelism.pp", "2"])]:
         rows, _ = run_plait(tmp_path, *load, *layout, nproc=world)
         assert losses(rows) == losses(reference), layout
     for world, layout in [(4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
@@ -92,7 +93,7 @@ def test_kill_and_resume_is_bitwise_exact(tmp_path, precision):
     metrics = tmp_path / "b.jsonl"  # shared by the killed run and its resumption
     _run_and_kill_after([*args, "--checkpoint.folder", str(tmp_path / "b"), "--metrics.jsonl", str(metrics)],
                         "step     7")
-    assert sorted(os.listdir(tmp_path / "b")) == ["step-5"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["plait-job.json", "step-5"]
     # Step 6 is past the checkpoint: it is lost and will be trained (and logged) again.
     assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines())][:6] == list(range(1, 7))
     resumed, proc = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / "b"), metrics=metrics)
@@ -118,6 +119,23 @@ def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
     assert [r["lr"] for r in resumed] == [5e-4 * factor(step - 1) for step in (4, 5, 6)]
 
 
+def test_pipeline_checkpoints_resume_bitwise_under_pp_and_without(tmp_path):
+    """PP2 killed after step 7 resumes from step 5 bitwise; its step-5 checkpoint (stage shards
+    under the whole model's names) also resumes a single process accumulating the same two
+    micro-batches, bitwise: PP2 and that single device compute the same (tests/test_parity.py)."""
+    args = ["--training.steps", "10", "--checkpoint.interval", "5"]
+    pp = ["--parallelism.pp", "2"]
+    full, _ = run_plait(tmp_path, *args, *pp, "--checkpoint.folder", str(tmp_path / "full"), nproc=2)
+    _run_and_kill_after([*args, *pp, "--checkpoint.folder", str(tmp_path / "pp")], "step     7", nproc=2)
+    assert sorted(os.listdir(tmp_path / "pp")) == ["plait-job.json", "step-5"]
+    shutil.copytree(tmp_path / "pp", tmp_path / "single")
+    resumed, proc = run_plait(tmp_path, *args, *pp, "--checkpoint.folder", str(tmp_path / "pp"), nproc=2)
+    assert "resumed from" in proc.stdout and losses(resumed) == losses(full)[5:]
+    single, _ = run_plait(tmp_path, *args, "--training.micro_batch_size", "2", "--checkpoint.folder",
+                          str(tmp_path / "single"))
+    assert losses(single) == losses(full)[5:]
+
+
 def test_two_jobs_cannot_share_a_checkpoint_folder(tmp_path):
     """Another seed or another corpus is another job: it is refused before it touches the folder
     (it would have deleted saves in flight as debris, pruned, or resumed the other's state).
@@ -140,14 +158,15 @@ def test_two_jobs_cannot_share_a_checkpoint_folder(tmp_path):
 
 def test_resume_under_another_layout(tmp_path):
     """Saved by FSDP2 at world 2, resumed (weights, AdamW state, data position) by a single
-    process, TP2 and DDP2+TP2: steps 6-10 agree with the uninterrupted run within the fp32 layout
+    process, TP2, DDP2+TP2 and PP2+FSDP2: steps 6-10 agree with the uninterrupted run within the fp32 layout
     tolerance (measured ~1e-6)."""
     args = ["--training.steps", "10", "--checkpoint.interval", "5"]
     full, _ = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / "fsdp"), "--parallelism.dp_shard", "2",
                         nproc=2)
     for name, world, layout in [("single", 1, []), ("tp", 2, ["--parallelism.tp", "2"]),
                                 ("ddp_tp", 4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
-                                               "--parallelism.tp", "2"])]:
+                                               "--parallelism.tp", "2"]),
+                                ("pp_fsdp2", 4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"])]:
         shutil.copytree(tmp_path / "fsdp" / "step-5", tmp_path / name / "step-5")
         resumed, _ = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / name), *layout, nproc=world)
         diff = max_abs_diff(losses(resumed), losses(full)[5:])

@@ -27,13 +27,13 @@ AMBIGUOUS = min(key for key, n in Counter(name.split(".", 1)[1] for name in opti
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    """Single vs FSDP2 vs DDP at world 2, the reference exported as a golden file: (folder, exit code, stdout)."""
+    """Single vs FSDP2 vs DDP vs PP2 at world 2, the reference exported as a golden file: (folder, exit code, stdout)."""
     folder = tmp_path_factory.mktemp("compare")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         code = main(["compare", "--out", str(folder / "out"), "--steps", "4", "--assert-equal",
                      "--export", str(folder / "golden.json"),
-                     "--run", SINGLE, "--run", "dp_shard=2", "--run", "dp_replicate=2", *SHARED])
+                     "--run", SINGLE, "--run", "dp_shard=2", "--run", "dp_replicate=2", "--run", "pp=2", *SHARED])
     return folder, code, stdout.getvalue()
 
 
@@ -42,11 +42,12 @@ def test_world2_layouts_bitwise_with_table_plot_and_losses(world2):
     assert code == 0, stdout
     assert f"| dp_shard=2 | 2 | {SINGLE} | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes |" in stdout
     assert f"| dp_replicate=2 | 2 | {SINGLE} | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes |" in stdout
+    assert f"| pp=2 | 2 | {SINGLE} | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes |" in stdout
     result = json.loads((folder / "out" / "losses.json").read_text())
     assert [(r["run"], r["world"], len(r["loss"])) for r in result["runs"]] == [(SINGLE, 1, 4), ("dp_shard=2", 2, 4),
-                                                                                ("dp_replicate=2", 2, 4)]
+                                                                                ("dp_replicate=2", 2, 4), ("pp=2", 2, 4)]
     assert result["runs"][0]["loss"][-1] < result["runs"][0]["loss"][0]
-    assert [row["bitwise"] for row in result["table"]] == [True, True]
+    assert [row["bitwise"] for row in result["table"]] == [True, True, True]
     assert (folder / "out" / "losses.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 

@@ -45,7 +45,23 @@ def test_unknown_config_name_lists_named_configs():
     (["--training.global_batch_size", "6"], "training.global_batch_size"),
     (["--training.global_batch_size", "8", "--training.micro_batch_size", "3"], "micro_batch_size"),
     (["--parallelism.tp", "0"], "parallelism.tp"),
-    (["--parallelism.pp", "2"], "parallelism.pp"),
+    (["--parallelism.pp", "3"], "does not divide the world size 4"),
+    # pipelines (world 4): fewer blocks than stages, a split that does not divide, too few for 1f1b, wrong placements
+    (["--parallelism.pp", "4", "--parallelism.dp_shard", "1"], "4 stages need at least 4 blocks, the model has 2"),
+    (["--parallelism.pp", "2", "--parallelism.pp_microbatches", "3"], "pp_microbatches: 3 does not divide the local batch 8"),
+    (["--parallelism.pp", "4", "--model.n_layers", "4", "--parallelism.pp_microbatches", "2"],
+     r"1f1b needs at least one micro-batch per stage \(4\), got 2"),
+    (["--parallelism.pp", "2", "--parallelism.pp_schedule", "zbv", "--parallelism.pp_stages_per_rank", "3"],
+     "zbv places exactly 2 stages per rank"),
+    (["--parallelism.pp", "2", "--parallelism.pp_schedule", "interleaved_1f1b", "--parallelism.pp_stages_per_rank", "1"],
+     "interleaved_1f1b interleaves several stages per rank"),
+    (["--parallelism.pp", "2", "--parallelism.pp_stages_per_rank", "2"], "1f1b runs one stage per rank"),
+    (["--parallelism.pp", "2", "--model.n_layers", "4", "--parallelism.pp_split_points", "3", "1"],
+     r"pp_split_points: \[3, 1\] is not 1 increasing"),
+    (["--parallelism.pp", "2", "--parallelism.dp_backend", "simple_fsdp"], "simple_fsdp cannot run under pipeline"),
+    (["--parallelism.pp", "2", "--training.micro_batch_size", "2"], "micro-batches are the accumulation"),
+    (["--parallelism.pp", "2", "--parallelism.pp_schedule", "zbv", "--model.n_layers", "4", "--compile.enable"],
+     "compile.enable: zbv"),
     (["--data.path", "/no/such/file.txt"], "data.path"),
     (["--data.tokenizer", "/no/such/tokenizer.json"], "data.tokenizer"),
     (["--profiling.steps", "0"], "profiling.steps: must be >= 1"),
@@ -55,6 +71,18 @@ def test_unknown_config_name_lists_named_configs():
 def test_validation_errors_name_the_option(argv, fragment):
     with pytest.raises(ConfigError, match=fragment):
         validate(parse_args(argv), world=4)
+
+
+def test_pipeline_stages_are_balanced_or_split_where_asked():
+    from plait.parallel.pipeline import split_blocks, stage_indices
+
+    # The embedding and the output count as a block each: the end stages get fewer blocks.
+    assert split_blocks(2, 2) == [range(0, 1), range(1, 2)]
+    assert split_blocks(16, 2) == [range(0, 8), range(8, 16)]
+    assert split_blocks(12, 4) == [range(0, 3), range(3, 6), range(6, 10), range(10, 12)]
+    assert split_blocks(4, 4) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert split_blocks(6, 2, (2,)) == [range(0, 2), range(2, 6)]
+    assert stage_indices(0, 2, 2, "interleaved_1f1b") == [0, 2] and stage_indices(0, 2, 2, "zbv") == [0, 3]
 
 
 def test_batch_arithmetic():

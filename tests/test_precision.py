@@ -3,7 +3,7 @@ gradients in the dtype asked for, proven from the ops that actually ran (the dty
 
 import pytest
 
-from conftest import AUTOCAST, BF16, layout_run, losses, max_abs_diff
+from conftest import AUTOCAST, BF16, LAYOUTS, layout_run, losses, max_abs_diff
 from plait.config import ConfigError, parse_args, validate
 
 pytestmark = pytest.mark.slow
@@ -47,6 +47,29 @@ def test_every_layout_computes_in_bf16_and_reduces_in_the_asked_dtype(runs, name
     assert dtypes(probe, "backward", "matmul") == {"bfloat16"}
     if not name.startswith("single"):  # a single device reduces nothing
         assert dtypes(probe, "backward", "collective", GRAD_REDUCTIONS) == {reduce}, probe
+
+
+PIPELINE_RUNS = {  # name: (layout, mode options); bf16 param runs are the parity matrix's
+    "pp": ("pp", []), "pp_autocast": ("pp", AUTOCAST), "pp_fsdp2": ("pp_fsdp2", []), "pp_tp": ("pp_tp", []),
+}
+
+
+@pytest.mark.parametrize("name", PIPELINE_RUNS)
+def test_every_pipeline_stage_computes_in_bf16_and_sends_the_compute_dtype(train_once, name):
+    """The seeds' bug lived longest under PP: here every rank (every stage) is probed. Stages
+    send activations forward and gradients back in the dtype of the residual stream: bf16 in
+    param mode, fp32 in autocast mode (autocast leaves the residual stream fp32)."""
+    layout, mode = PIPELINE_RUNS[name]
+    _, probe = layout_run(train_once, layout, BF16, mode)
+    assert {r["rank"] for r in probe} == set(range(LAYOUTS[layout][0]))
+    for rank in range(LAYOUTS[layout][0]):
+        mine = [r for r in probe if r["rank"] == rank]
+        assert dtypes(mine, "forward", "matmul") == {"bfloat16"} == dtypes(mine, "backward", "matmul"), (rank, mine)
+        assert dtypes(mine, "forward", "attention") == {"bfloat16"}
+    stream = "float32" if mode else "bfloat16"
+    assert {d for d in dtypes(probe, "step", "collective", {"send", "recv_"}) if d} == {stream}
+    if layout == "pp_fsdp2":  # gradients reduced over dp in the asked reduce dtype
+        assert dtypes(probe, "backward", "collective", GRAD_REDUCTIONS) == {"float32"}
 
 
 def test_what_runs_in_bf16_differs_by_mode_as_documented(runs):

@@ -12,6 +12,7 @@ LAYOUTS = {  # name: (world, options)
     "ddp_bf16_reduce": (2, ["--parallelism.dp_replicate", "2", "--training.mixed_precision_reduce", "bfloat16"]),
     "tp": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
     "hsdp": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
+    "pp": (2, ["--parallelism.pp", "2"]),
     # classic DDP, two micro-batches per step (global 4 = micro 1 x dp 2 x accumulation 2), bf16 reduce
     "classic_ddp_accum2": (2, ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2",
                                "--training.mixed_precision_mode", "autocast", "--training.micro_batch_size", "1",
@@ -81,6 +82,19 @@ def test_ddp_all_reduces_in_backward_in_the_asked_reduce_dtype(traces, capsys):
     # Every gradient collective travelled in bf16; gloo records the list-taking allreduce_ as
     # "TensorList", so this also proves the dtype was recovered from gloo's own event.
     assert {r["dtype"] for r in summarise(folder) if r["phase"] == "backward"} == {"bfloat16"}
+
+
+@pytest.mark.slow
+def test_pipeline_sends_activations_forward_and_gradients_back_in_bf16(traces, capsys):
+    """PP2 (1f1b, 2 micro-batches): stage 0 sends each micro-batch's activations in forward and
+    receives their gradients in backward; stage 1 the reverse. Nothing else crosses stages."""
+    folder = traces("pp")
+    code, out, err = trace(capsys, folder, "--rank", 0, "--expect", "forward:send:bf16=2", "--expect",
+                           "backward:recv:bf16=2", "--expect", "forward:!recv", "--expect", "backward:!send")
+    assert code == 0, out + err
+    code, out, err = trace(capsys, folder, "--rank", 1, "--expect", "forward:recv:bf16=2", "--expect",
+                           "backward:send:bf16=2", "--expect", "forward:!send", "--expect", "backward:!recv")
+    assert code == 0, out + err
 
 
 @pytest.mark.slow
