@@ -31,10 +31,11 @@ from plait.config import ConfigError, Data, Flavor
 from plait.data import tokenize_corpus
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.model import linear_weight_shapes, model_args
-from plait.trace import summarise
+from plait.trace import idle_fractions, summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
-              "fsdp2_compiled", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp"]
+              "fsdp2_compiled", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp", "pp", "pp_fsdp2"]
+PP_MICROBATCHES = 4
 DTYPES = ("float32", "bfloat16")
 STATE_REFERENCE = ("ddp", "ddp_classic")  # the unsharded state the sharded rows are compared to
 SHARDED = ("fsdp2", "simple_fsdp")
@@ -67,6 +68,7 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
     """row: (description, world size, extra flags); every row runs in fp32 and in bf16."""
     n = str(nproc)
     tp = ["--parallelism.tp", "2"]
+    pp = ["--parallelism.pp", "2", "--parallelism.pp_microbatches", str(PP_MICROBATCHES)]
     simple = ["--parallelism.dp_backend", "simple_fsdp", "--parallelism.dp_shard", n]
     return {
         "raw_pytorch": ("raw PyTorch loop (no plait)", 1, []),
@@ -82,6 +84,8 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         "ddp_tp": (f"DDP{n}+TP2", 2 * nproc, ["--parallelism.dp_replicate", n, "--parallelism.dp_shard", "1", *tp]),
         "fsdp2_tp": (f"FSDP2({n})+TP2", 2 * nproc, ["--parallelism.dp_shard", n, *tp]),
         "simple_fsdp_tp": (f"SimpleFSDP({n})+TP2", 2 * nproc, [*simple, *tp]),
+        "pp": (f"PP2 (1f1b, {PP_MICROBATCHES} micro-batches)", 2, pp),
+        "pp_fsdp2": (f"PP2+FSDP2({n})", 2 * nproc, [*pp, "--parallelism.dp_shard", n]),
     }
 
 
@@ -127,7 +131,8 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
             "memory_gib": max(r["memory_gib"] for r in measured),
             "state_gib": rows[0]["state_gib"],
             **(collectives(folder / "trace") if key != "raw_pytorch" else
-               {"collectives_per_step": 0.0, "bookkeeping_collectives_per_step": 0.0})}
+               {"collectives_per_step": 0.0, "bookkeeping_collectives_per_step": 0.0}),
+            **({"idle": idle_fractions(folder / "trace")} if key.startswith("pp") else {})}
 
 
 def collectives(trace: Path) -> dict:
@@ -215,6 +220,15 @@ def state_ratios(table: list[dict]) -> list[dict]:
     return ratios
 
 
+def bubble_line(row: dict, dtype: str) -> str:
+    """A pipeline row's measured idle share per rank (outside forward and backward: the bubble,
+    plus the optimizer and bookkeeping every layout has) next to the schedule's ideal bubble."""
+    stages = 2
+    ideal = (stages - 1) / (PP_MICROBATCHES + stages - 1)
+    idle = ", ".join(f"rank {rank} {100 * share:.0f}%" for rank, share in sorted(row[f"{dtype}_idle"].items()))
+    return f"{row['layout']} {dtype}: idle {idle}; ideal bubble (p-1)/(m+p-1) = {100 * ideal:.0f}%"
+
+
 def markdown(result: dict) -> str:
     cfg = result["settings"]
     lines = []
@@ -242,6 +256,7 @@ def markdown(result: dict) -> str:
             lines.append("")
         lines += [f"{s['layout']} state per rank / {s['reference']} state per rank at world {s['world']}: "
                   f"{s['ratio']:.2f}" for s in result["state_ratios"] if s["flavor"] == flavor]
+        lines += [bubble_line(r, dtype) for r in rows for dtype in machine["dtypes"] if f"{dtype}_idle" in r]
         lines.append("")
     return "\n".join(lines).rstrip()
 

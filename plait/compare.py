@@ -129,8 +129,10 @@ def parse_run(spec: str, types: dict[str, type]) -> tuple[list[str], int | None]
 
 
 def flat(cfg: JobConfig) -> dict:
-    return {f"{section}.{key}": value for section, values in dataclasses.asdict(cfg).items()
-            if isinstance(values, dict) for key, value in values.items()}
+    """Every option as `section.key`, tuples as lists: what a golden file's JSON gives back."""
+    return {f"{section}.{key}": list(value) if isinstance(value, tuple) else value
+            for section, values in dataclasses.asdict(cfg).items() if isinstance(values, dict)
+            for key, value in values.items()}
 
 
 def plan(args: CompareArgs, shared: list[str]):

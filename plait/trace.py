@@ -181,6 +181,24 @@ def _gloo_dtype(op: dict, kind: str, gloo: list[dict]) -> str | None:
     return None
 
 
+def idle_fractions(folder: str | Path) -> dict[int, float]:
+    """Per rank, the share of the profiled steps spent outside forward and backward: for a
+    pipeline its bubble (waiting for a neighbour stage), plus the optimizer and bookkeeping."""
+    idle = {}
+    for rank, path in rank_files(Path(folder)).items():
+        annotations = [e for e in json.loads(path.read_text())["traceEvents"]
+                       if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+        steps = [(e["ts"], e["ts"] + e["dur"]) for e in annotations if re.fullmatch(r"step \d+", e["name"])]
+        busy, end = 0.0, -math.inf  # union of the compute ranges (a stage's loss nests in nothing)
+        for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in annotations
+                                  if e["name"] in ("forward", "backward")):
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        total = sum(stop - start for start, stop in steps)
+        idle[rank] = 1 - busy / total if total else math.nan
+    return idle
+
+
 def rank_files(folder: Path) -> dict[int, Path]:
     return {int(m[1]): p for p in folder.glob("rank*.json") if (m := re.fullmatch(r"rank(\d+)\.json", p.name))}
 

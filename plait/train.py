@@ -109,6 +109,23 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> flo
     return total.item()
 
 
+def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts) -> torch.Tensor:
+    """Forward and backward of every micro-batch, gradients scaled by 1/len(batches); returns
+    the sum of the micro-batch losses."""
+    loss_sum = torch.zeros((), device=batches[0][0].device)
+    for i, (inputs, labels) in enumerate(batches):
+        # Reduce gradients once per step, after the last micro-batch, not after each one.
+        # The context spans forward too: DDP decides in forward whether backward reduces.
+        with parallel.gradient_sync(model, i == len(batches) - 1):
+            with contexts.forward():
+                loss = cross_entropy(model(inputs), labels)
+            with contexts.backward():
+                (loss / len(batches)).backward()
+        # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.
+        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+    return loss_sum
+
+
 def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
     """What start-up would load must fit this model, and the folder it saves to must be this
     job's: checked before any process group."""
@@ -184,7 +201,7 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
         print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor}: {num_params(whole) / 1e6:.1f}M params, "
               f"vocab {args.vocab_size} | {loader.num_sequences} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
-              f"{peak}\nplait: {precision.describe()}", flush=True)
+              f"{peak}\nplait: {precision.describe()}" + (f"\nplait: {pipeline.summary}" if pipeline else ""), flush=True)
         if precision.emulated:
             fp32_peak = peak_flops(device, torch.float32, shapes).flops
             print(f"plait: warning: bfloat16 was asked for, but this device has no bf16 matmul units: the model's "
@@ -198,23 +215,12 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
             start = time.perf_counter()
             probe = DtypeProbe(contexts) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
             with probe, profiler.step(step):
-                loss_sum = torch.zeros((), device=device)
-                batches = loader.next_batches()
-                if pipeline:  # one local batch (accumulation is the pipeline's micro-batching)
-                    [(inputs, labels)] = batches
-                    loss_sum += pipeline.step(inputs.to(device), labels.to(device))
+                batches = [(inputs.to(device), labels.to(device)) for inputs, labels in loader.next_batches()]
+                if pipeline:  # one local batch: accumulation is the pipeline's micro-batching
+                    loss_sum = pipeline.step(*batches[0])
                     dist.all_reduce(loss_sum, group=pipeline.group)  # from the last stage to every rank
-                    batches = []
-                for i, (inputs, labels) in enumerate(batches):
-                    # Reduce gradients once per step, after the last micro-batch, not after each one.
-                    # The context spans forward too: DDP decides in forward whether backward reduces.
-                    with parallel.gradient_sync(model, i == len(batches) - 1):
-                        with contexts.forward():
-                            loss = cross_entropy(model(inputs.to(device)), labels.to(device))
-                        with contexts.backward():
-                            (loss / accum).backward()
-                    # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.
-                    loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+                else:
+                    loss_sum = accumulate(model, batches, contexts)
                 dist.all_reduce(loss_sum, group=dp_mesh.get_group())
                 loss_value = loss_sum.item() / (accum * dp_mesh.size())
                 grad_norm = clip_and_norm(model, t.max_norm, pipeline.group if pipeline else None)

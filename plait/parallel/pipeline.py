@@ -144,6 +144,11 @@ class Stage(PipelineStage):
         with self.contexts.backward():
             return super().backward_weight_one_chunk(*args, **kwargs)
 
+    def perform_reduce_grad(self, *args, **kwargs):
+        # The data-parallel gradient reduction, after a stage's last backward chunk.
+        with self.contexts.backward():
+            return super().perform_reduce_grad(*args, **kwargs)
+
 
 class StageParts(nn.Module):
     """This rank's stages as one module under the whole model's parameter names (the
@@ -196,7 +201,9 @@ class Pipeline:
         schedule = SCHEDULES[p.pp_schedule]
         self.schedule = schedule(stages if p.pp_schedule in MULTI_STAGE else stages[0], n_microbatches=m,
                                  loss_fn=loss_fn, scale_grads=False)
-        self.blocks = {index: list(ranges[index]) for index in indices}
+        self.summary = (f"pipeline {p.pp_schedule}: {len(ranges)} stages of blocks "
+                        f"{' | '.join(f'{r.start}-{r.stop - 1}' for r in ranges)} (this rank: stages {indices}), "
+                        f"{m} micro-batches of {cfg.training.micro_batch_size // m} sequences per step")
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one local batch in micro-batches: the sum of its micro-batch

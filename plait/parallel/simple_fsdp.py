@@ -129,7 +129,7 @@ def apply_simple_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, 
         if not params:
             continue
         for name, param in params.items():
-            storage_mesh = mesh if isinstance(param, DTensor) else mesh[DP_DIMS]
+            storage_mesh = mesh[(*DP_DIMS, "tp")] if isinstance(param, DTensor) else mesh[DP_DIMS]
             # src_data_rank=None: no communication; the values are filled in after `to_empty`.
             full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
             stored = distribute_tensor(full, storage_mesh, storage_placements(param, tp_mesh.size()), src_data_rank=None)
