@@ -126,6 +126,18 @@ def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts) -
     return loss_sum
 
 
+def save_probe(probe: DtypeProbe, path: str, every_rank: bool) -> None:
+    """Rank 0 writes the probe's records, each with its rank: its own, or with `every_rank`
+    (pipeline stages run different parts of the model) every rank's."""
+    rank = dist.get_rank()
+    records = [{**r, "rank": rank} for r in probe.records()]
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    if every_rank:
+        dist.gather_object(records, gathered, dst=0)
+    if rank == 0:
+        probe.save(path, [r for ranks in (gathered if every_rank else [records]) for r in ranks])
+
+
 def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
     """What start-up would load must fit this model, and the folder it saves to must be this
     job's: checked before any process group."""
@@ -236,13 +248,7 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             if isinstance(probe, DtypeProbe):
-                # Pipeline stages differ: every rank's records, each with its rank, else rank 0's.
-                records = [{**r, "rank": rank} for r in probe.records()]
-                gathered = [None] * dist.get_world_size() if rank == 0 else None
-                if pipeline:
-                    dist.gather_object(records, gathered, dst=0)
-                if rank == 0:
-                    probe.save(cfg.debug.dtype_probe, [r for ranks in (gathered if pipeline else [records]) for r in ranks])
+                save_probe(probe, cfg.debug.dtype_probe, every_rank=pipeline is not None)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
