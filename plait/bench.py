@@ -37,8 +37,9 @@ Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fs
               "fsdp2_compiled", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp", "pp", "pp_fsdp2"]
 PP_MICROBATCHES = 4
 DTYPES = ("float32", "bfloat16")
-STATE_REFERENCE = ("ddp", "ddp_classic")  # the unsharded state the sharded rows are compared to
-SHARDED = ("fsdp2", "simple_fsdp")
+# row: the rows holding the whole state it divides (in order of preference). Sharding holds
+# 1/world of DDP's state per rank; a pipeline stage 1/pp of the single device's.
+STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp_classic"), "pp": ("single",)}
 
 
 @dataclass
@@ -206,13 +207,13 @@ def add_vs_raw(table: list[dict]) -> None:
 
 
 def state_ratios(table: list[dict]) -> list[dict]:
-    """State memory per rank of each sharded layout over DDP's at the same world size (fp32 runs;
-    bf16 holds the same fp32 parameters, gradients and AdamW state)."""
+    """State memory per rank of each sharded or pipelined layout over that of the layout holding
+    it whole (fp32 runs; bf16 holds the same fp32 parameters, gradients and AdamW state)."""
     ratios = []
     for flavor in dict.fromkeys(r["flavor"] for r in table):
         rows = {r["key"]: r for r in table if r["flavor"] == flavor}
-        reference = next((rows[k] for k in STATE_REFERENCE if k in rows), None)
-        for key in SHARDED:
+        for key, references in STATE_REFERENCES.items():
+            reference = next((rows[k] for k in references if k in rows), None)
             if reference and key in rows:
                 ratios.append({"flavor": flavor, "world": rows[key]["world"], "layout": rows[key]["layout"],
                                "reference": reference["layout"],

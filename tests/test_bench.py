@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "3",
-                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "--out", str(out),
+                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "pp", "--out", str(out),
                            "--emulated_bf16", "run"],  # the same rows on every CPU kind
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,7 +24,7 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     assert "| raw PyTorch loop (no plait) | 1 |" in proc.stdout and "| FSDP2 | 2 |" in proc.stdout
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {row["key"]: row for row in result["rows"]}
-    assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2"]
+    assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2", "pp"]
     for dtype in ("float32", "bfloat16"):
         assert all(row[f"{dtype}_tokens_per_sec"] > 0 and row[f"{dtype}_vs_raw"] > 0
                    and row[f"{dtype}_memory_gib"] > 0 for row in rows.values())
@@ -36,8 +36,13 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
         assert rows["fsdp2"][f"{dtype}_state_gib"] == pytest.approx(rows["ddp"][f"{dtype}_state_gib"] / 2, rel=1e-3)
         assert rows["single"][f"{dtype}_collectives_per_step"] == 0
         assert rows["ddp"][f"{dtype}_collectives_per_step"] > 0 and rows["fsdp2"][f"{dtype}_collectives_per_step"] > 0
-    [ratio] = result["state_ratios"]
+    ratio, pipeline = result["state_ratios"]
     assert ratio["layout"] == "FSDP2" and ratio["ratio"] == pytest.approx(0.5, rel=1e-3)
+    # Rank 0 holds stage 0: the embedding and one of the two blocks, about half of the model.
+    assert pipeline["reference"] == "single device" and 0.3 < pipeline["ratio"] < 0.7
+    for dtype in ("float32", "bfloat16"):  # each rank's idle share, next to the schedule's ideal bubble
+        assert set(rows["pp"][f"{dtype}_idle"]) == {"0", "1"} and all(0 < v < 1 for v in rows["pp"][f"{dtype}_idle"].values())
+        assert f"PP2 (1f1b, 4 micro-batches) {dtype}: idle rank 0 " in proc.stdout
     line = "FSDP2 state per rank / DDP (fully_shard, replicate mesh) state per rank at world 2: 0.50"
     assert line in proc.stdout and line in out.with_suffix(".md").read_text()
     machine = result["hardware"]["debug"]
