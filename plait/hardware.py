@@ -1,8 +1,8 @@
 """What this machine computes natively, and how fast: the facts precision and MFU rest on.
 
 bf16 is only worth asking for where the hardware multiplies in it: on an AVX2-only CPU oneDNN
-emulates bf16 matmuls 150-280x slower than fp32, so `mixed_precision_param auto` picks fp32
-there. MFU divides by a peak measured on the model's own matmul shapes (or a data sheet for
+emulates bf16 matmuls 60-280x slower than fp32, so `mixed_precision_param auto` picks fp32
+there. MFU divides by a peak measured on the model's own linear layers (or a data sheet for
 known GPUs), so a model cannot outrun its own denominator.
 """
 
