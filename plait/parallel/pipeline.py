@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig, dp_degree
 from plait.model import FLAVORS, ModelArgs, Transformer, cross_entropy
+from plait.parallel import parallelize
 from plait.precision import Precision, TrainContexts
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -175,8 +176,6 @@ class Pipeline:
 
     def __init__(self, args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Precision,
                  device: torch.device, contexts: TrainContexts):
-        from plait.parallel import parallelize
-
         p = cfg.parallelism
         self.group, self.device = mesh["pp"].get_group(), device
         self.loss_parallel = p.tp > 1 and p.loss_parallel  # `contexts` must not enter it (no nesting)
@@ -194,8 +193,8 @@ class Pipeline:
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             with contexts.forward():  # the loss belongs to the forward, as outside pipelining
                 loss = cross_entropy(logits, labels) / m
-            # Under loss parallelism a replicated DTensor: the schedule starts backward from a
-            # plain tensor, and to_local's backward turns that gradient back into a DTensor.
+            # Under loss parallelism a replicated DTensor; the schedule gets its local value (the
+            # whole loss on every TP rank), and to_local's backward makes the gradient a DTensor.
             return loss.to_local() if isinstance(loss, DTensor) else loss
 
         schedule = SCHEDULES[p.pp_schedule]
