@@ -16,9 +16,9 @@ from plait.hardware import Peak
 class Utilisation:
     """MFU: the model's training FLOPs per second over the peak of the devices it ran on.
 
-    The peak (plait.hardware) is the fastest matmul shape the model itself runs, so a step can
-    only reach it if every op ran at that speed: an MFU above 1 means the peak was measured at
-    a bad moment (other processes on the cores). Then MFU is not reported (None) rather than
+    The peak (plait.hardware) is a data sheet's or the fastest of the model's own linear layers
+    (forward and backward), so a step can only reach it if every op ran at that speed: an MFU
+    above 1 means the peak was measured at a bad moment (other processes on the cores). Then MFU is not reported (None) rather than
     wrong, and the cached peak is removed so the next run measures it again.
     """
 
