@@ -192,8 +192,8 @@ def bench(cfg: BenchConfig) -> dict:
 def hardware_line(machine: dict) -> str:
     peaks = ", ".join(f"{dtype} {tflops:.3g}" for dtype, tflops in machine["peak_tflops"].items())
     return (f"hardware: {machine['device']} | native bf16: {'yes' if machine['native_bf16'] else 'no'} "
-            f"({machine['why']}) | {machine['threads']} threads per single-device row | peak TFLOP/s on this "
-            f"flavor's matmul shapes: {peaks}")
+            f"({machine['why']}) | {machine['threads']} threads per single-device row | peak TFLOP/s of this "
+            f"flavor's fastest linear layer: {peaks}")
 
 
 def add_vs_raw(table: list[dict]) -> None:

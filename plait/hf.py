@@ -90,7 +90,7 @@ def is_hf_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def check(folder: Path, args: ModelArgs, option: str) -> list[Path]:
+def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     """Fail with one line unless `folder` holds this model's shape and every weight; reads the
     config and the safetensors headers only. Returns the weight files."""
     config = json.loads((folder / "config.json").read_text())
@@ -108,14 +108,14 @@ def check(folder: Path, args: ModelArgs, option: str) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{option}: {folder} has config.json but no .safetensors weights")
-    present = set()
+    present = {}  # Hugging Face name -> the file holding it
     for f in files:
         with safe_open(str(f), "pt") as weights:
-            present.update(weights.keys())
+            present.update(dict.fromkeys(weights.keys(), f))
     missing = [hf_name(n) for n in _plait_names(args) if hf_name(n) not in present]
     if missing:
         raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    return files
+    return present
 
 
 def math_options(config: dict) -> dict:
@@ -146,10 +146,7 @@ class HFWeights(Mapping):
     asked for: a rank holds one full tensor at a time while it cuts its shard, never the model."""
 
     def __init__(self, folder: Path, args: ModelArgs, option: str):
-        self.args, self.names, self.files = args, _plait_names(args), {}
-        for f in check(folder, args, option):
-            with safe_open(str(f), "pt") as weights:
-                self.files.update(dict.fromkeys(weights.keys(), f))
+        self.args, self.names, self.files = args, _plait_names(args), check(folder, args, option)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         with safe_open(str(self.files[hf_name(name)]), "pt") as weights:

@@ -113,7 +113,7 @@ class TrainContexts:
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        # Phases nest under pipelining (a stage's loss inside its forward): restore the outer one.
+        # Restore the enclosing phase ("step" between phases), so phases may nest.
         outer, self.phase = self.phase, name
         try:
             with torch.profiler.record_function(name), contextlib.ExitStack() as stack:

@@ -123,14 +123,25 @@ def _bytes(op: dict, dtype: str) -> int | None:
     return numel * getattr(torch, dtype).itemsize
 
 
-def read_trace(path: Path) -> tuple[int, list[Collective]]:
-    """One rank's trace: (profiled steps, its collectives)."""
+def _events(path: Path) -> list[dict]:
+    """A trace's complete events ("ph": "X")."""
     try:
-        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     except (ValueError, KeyError, TypeError):  # e.g. a rank that died while writing it
         raise ConfigError(f"folder: {path} is not a complete Chrome trace") from None
+
+
+def _annotations(events: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(every record_function range, the `step N` ranges among them)."""
     annotations = [e for e in events if e.get("cat") == "user_annotation"]
-    steps = sum(1 for e in annotations if re.fullmatch(r"step \d+", e["name"]))
+    return annotations, [e for e in annotations if re.fullmatch(r"step \d+", e["name"])]
+
+
+def read_trace(path: Path) -> tuple[int, list[Collective]]:
+    """One rank's trace: (profiled steps, its collectives)."""
+    events = _events(path)
+    annotations, step_ranges = _annotations(events)
+    steps = len(step_ranges)
     # Phase by time, not by thread: on CUDA, backward runs on autograd's device thread while the
     # "backward" range is on the main thread that waits for it.
     spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in annotations if e["name"] in PHASES)
@@ -186,15 +197,13 @@ def idle_fractions(folder: str | Path) -> dict[int, float]:
     pipeline its bubble (waiting for a neighbour stage), plus the optimizer and bookkeeping."""
     idle = {}
     for rank, path in rank_files(Path(folder)).items():
-        annotations = [e for e in json.loads(path.read_text())["traceEvents"]
-                       if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
-        steps = [(e["ts"], e["ts"] + e["dur"]) for e in annotations if re.fullmatch(r"step \d+", e["name"])]
-        busy, end = 0.0, -math.inf  # union of the compute ranges (a stage's loss nests in nothing)
+        annotations, steps = _annotations(_events(path))
+        busy, end = 0.0, -math.inf  # union of the compute ranges, so that no time counts twice
         for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in annotations
                                   if e["name"] in ("forward", "backward")):
             busy += max(0.0, stop - max(start, end))
             end = max(end, stop)
-        total = sum(stop - start for start, stop in steps)
+        total = sum(e["dur"] for e in steps)
         idle[rank] = 1 - busy / total if total else math.nan
     return idle
 
@@ -246,7 +255,7 @@ class Expectation:
     kind: str
     dtype: str | None
     present: bool
-    calls: float | None = None
+    calls: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Expectation:
