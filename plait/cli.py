@@ -60,19 +60,19 @@ def launch_local(argv: list[str], nproc: int) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    from plait.bench import main as bench_main
+    from plait.proof.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def compare(argv: list[str]) -> int:
-    from plait.compare import main as compare_main
+    from plait.proof.compare import main as compare_main
 
     return compare_main(argv)
 
 
 def trace(argv: list[str]) -> int:
-    from plait.trace import main as trace_main
+    from plait.proof.trace import main as trace_main
 
     return trace_main(argv)
 

@@ -27,8 +27,8 @@ from plait.model import Transformer, cross_entropy, flops_per_token, linear_weig
 from plait.parallel.pipeline import Pipeline, microbatches
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
-from plait.probe import DtypeProbe
-from plait.trace import StepProfiler
+from plait.proof.probe import DtypeProbe
+from plait.proof.trace import StepProfiler
 
 
 class TrainingError(RuntimeError):

@@ -56,7 +56,7 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
 
 def test_bench_says_when_bf16_was_not_measured():
     """Where bf16 is emulated, the default is to measure fp32 only and say so in place of the table."""
-    from plait.bench import markdown
+    from plait.proof.bench import markdown
 
     row = {"flavor": "debug", "key": "single", "layout": "single device", "world": 1, "float32_tokens_per_sec": 100.0,
            "float32_mfu": 0.5, "float32_vs_raw": None, "float32_memory_gib": 1.0, "float32_state_gib": 0.1,

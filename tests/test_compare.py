@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TINY
 from plait.cli import main
-from plait.compare import option_types
+from plait.proof.compare import option_types
 
 pytestmark = pytest.mark.slow
 # Options shared by every run: TINY without its thread pin (compare pins threads itself), in fp32,

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from conftest import AUTOCAST, BF16, SIMPLE, STEPS, LAYOUTS, layout_run, losses, max_abs_diff, run_plait
-from plait.trace import summarise
+from plait.proof.trace import summarise
 
 pytestmark = pytest.mark.slow
 SHARD2, REPLICATE2 = ["--parallelism.dp_shard", "2"], ["--parallelism.dp_replicate", "2"]

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import BF16, run_plait
 from plait.cli import main
-from plait.trace import summarise
+from plait.proof.trace import summarise
 
 LAYOUTS = {  # name: (world, options)
     "fsdp2": (2, ["--parallelism.dp_shard", "2"]),

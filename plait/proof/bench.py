@@ -2,7 +2,7 @@
 
 Each row is a real `plait train` run (under torchrun for world > 1) on the same model, data
 and batch, and `raw_pytorch` is the plainest PyTorch loop of the same model
-(plait/baseline.py): the yardstick for plait's overhead. Per row and precision: tokens/s and
+(plait/proof/baseline.py): the yardstick for plait's overhead. Per row and precision: tokens/s and
 MFU (medians over the steps after warm-up), tokens/s over the raw loop's in the same precision,
 peak memory, the exact memory of parameters + gradients + optimizer state on rank 0, and the
 collectives rank 0 issues per step, counted in a profiler trace of one extra step after the
@@ -31,7 +31,7 @@ from plait.config import ConfigError, Data, Flavor
 from plait.data import tokenize_corpus
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.model import linear_weight_shapes, model_args
-from plait.trace import idle_fractions, summarise
+from plait.proof.trace import idle_fractions, summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
               "fsdp2_compiled", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp", "pp", "pp_fsdp2"]
@@ -107,7 +107,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
     folder.mkdir(parents=True)
     if key == "raw_pytorch":
         # plait's single-device row has dp 1, so micro-batch = global batch: the same one forward.
-        command = [sys.executable, "-m", "plait.baseline", "--flavor", flavor, "--steps", str(cfg.steps),
+        command = [sys.executable, "-m", "plait.proof.baseline", "--flavor", flavor, "--steps", str(cfg.steps),
                    "--seq_len", str(cfg.seq_len), "--batch_size", str(cfg.global_batch_size), "--dtype", dtype,
                    "--threads", str(cfg.threads)]
     else:

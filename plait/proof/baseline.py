@@ -8,7 +8,7 @@ AdamW with plait's hyper-parameters and gradient clipping, and bf16 the standard
 `torch.autocast` around forward + loss with fp32 parameters. Prints one JSON line per step with
 the keys of plait's metrics rows that the bench reads.
 
-    python -m plait.baseline --flavor small --dtype bfloat16 --steps 6
+    python -m plait.proof.baseline --flavor small --dtype bfloat16 --steps 6
 """
 
 from __future__ import annotations
@@ -83,4 +83,4 @@ def train(cfg: BaselineConfig) -> None:
 
 
 if __name__ == "__main__":
-    train(tyro.cli(BaselineConfig, args=sys.argv[1:], prog="python -m plait.baseline", use_underscores=True))
+    train(tyro.cli(BaselineConfig, args=sys.argv[1:], prog="python -m plait.proof.baseline", use_underscores=True))
