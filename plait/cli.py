@@ -13,7 +13,7 @@ import tyro
 
 from plait.config import ConfigError, parse_args, validate
 
-USAGE = """usage: plait {train,seed-checkpoint,export,bench,compare,trace} [options]
+USAGE = """usage: plait {train,seed-checkpoint,export,bench,compare,trace,plan} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -21,6 +21,7 @@ subcommands:
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
   bench            measure layouts x precisions side by side (plait bench --help)
   compare          train under several layouts from one seed, compare losses (plait compare --help)
+  plan             predicted memory, communication and step time of every layout: plait plan --world N --device_memory_gib G
   trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...
 """
 
@@ -77,6 +78,12 @@ def trace(argv: list[str]) -> int:
     return trace_main(argv)
 
 
+def plan(argv: list[str]) -> int:
+    from plait.plan import main as plan_main
+
+    return plan_main(argv)
+
+
 def seed_checkpoint(argv: list[str]) -> int:
     """One process, no process group: the job's model initialised from training.seed, weights only."""
     if "--out" not in argv[:-1]:
@@ -125,7 +132,7 @@ def export(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": train, "seed-checkpoint": seed_checkpoint, "export": export, "bench": bench, "compare": compare,
-            "trace": trace}
+            "trace": trace, "plan": plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,6 +97,14 @@ class Parallelism:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """none: keep every block's activations; full: keep each block's input, recompute the block in backward; selective: keep matmul, attention and TP-collective outputs, recompute the rest"""
+    every: int = 1
+    """with full/selective: checkpoint blocks 0, N, 2N, ... only (1 = every block)"""
+
+
+@dataclass
 class Data:
     path: str = ""
     """a .txt/.jsonl/.parquet file, a folder of them, or a Hugging Face `datasets` folder; empty = bundled corpus"""
@@ -179,6 +187,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
@@ -260,6 +269,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
     if cfg.model.n_layers < 0:
         raise ConfigError(f"model.n_layers: must be >= 0 (0 = the flavor's), got {cfg.model.n_layers}")
+    if cfg.activation_checkpoint.every < 1:
+        raise ConfigError(f"activation_checkpoint.every: must be >= 1, got {cfg.activation_checkpoint.every}")
     others = p.dp_replicate * p.tp * p.pp
     if p.dp_shard == -1:
         if world % others:

@@ -225,7 +225,7 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
     try:
         for step in range(done + 1, t.steps + 1):
             start = time.perf_counter()
-            probe = DtypeProbe(contexts) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
+            probe = DtypeProbe(contexts, model) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
             with probe, profiler.step(step):
                 batches = [(inputs.to(device), labels.to(device)) for inputs, labels in loader.next_batches()]
                 if pipeline:  # one local batch: accumulation is the pipeline's micro-batching

@@ -106,18 +106,22 @@ REFERENCE = {name: "single_deep" if "--model.n_layers" in args else "single" for
 
 @pytest.fixture(scope="session")
 def train_once(tmp_path_factory):
-    """`train_once(world, *args)` -> (metric rows, step-1 dtype probe records). Each distinct
-    run happens once per test session (with the probe on) however many tests read it."""
+    """`train_once(world, *args)` -> (metric rows, step-1 probe records). Each distinct run
+    happens once per test session however many tests read it, with the probe on (step 1) and
+    the profiler on (step 2: `train_once.traces[(world, args)]` is its folder; it costs ~1%)."""
     cache = {}
 
     def train(world: int, *args: str):
         key = (world, args)
         if key not in cache:
             tmp = tmp_path_factory.mktemp("run")
-            rows, _ = run_plait(tmp, *args, "--debug.dtype_probe", str(tmp / "probe.json"), nproc=world)
+            rows, _ = run_plait(tmp, *args, "--debug.dtype_probe", str(tmp / "probe.json"), "--profiling.enable",
+                                "--profiling.steps", "1", "--profiling.folder", str(tmp / "trace"), nproc=world)
             cache[key] = rows, json.loads((tmp / "probe.json").read_text())
+            train.traces[key] = tmp / "trace"
         return cache[key]
 
+    train.traces = {}
     return train
 
 

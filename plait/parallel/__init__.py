@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.config import JobConfig
 from plait.model import ModelArgs, Transformer
+from plait.parallel.activation_checkpoint import apply_ac
 from plait.parallel.data_parallel import apply_fsdp
 from plait.parallel.ddp import apply_ddp
 from plait.parallel.mesh import DP_DIMS, build_mesh, describe  # noqa: F401 (the package's interface)
@@ -37,15 +38,18 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     """Apply every plan to a model (or a pipeline stage's part of it) on the meta device, then
     materialise and initialise what this rank owns."""
     backend = cfg.parallelism.dp_backend
+    ac, n_blocks = cfg.activation_checkpoint, model.args.n_layers
+    if backend != "simple_fsdp":  # SimpleFSDP checkpoints its blocks itself: it reshards that way
+        apply_ac(model, ac.mode, ac.every, n_blocks)
     if cfg.compile.enable and backend != "simple_fsdp":
-        # Compile each block's forward in place: FQNs stay those of the plain model, and the
+        # Compile each block's (checkpointed) forward in place: FQNs stay those of the plain model, and the
         # hooks that sharding adds around the module call stay outside the compiled graph.
         for block in model.layers.values():
             block.forward = torch.compile(block.forward, fullgraph=True)
     if cfg.parallelism.tp > 1:  # start-up refuses TP with classic DDP
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
     if backend == "simple_fsdp":
-        apply_simple_fsdp(model, mesh, precision, cfg.parallelism.reshard_after_forward)
+        apply_simple_fsdp(model, mesh, precision, cfg.parallelism.reshard_after_forward, ac, n_blocks)
     elif backend == "fsdp2":
         apply_fsdp(model, mesh[DP_DIMS], precision, pipelined)
     model.to_empty(device=device)

@@ -15,16 +15,16 @@ plain model. `raw_parameters()` switches it off for init, inspection and state-d
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from plait.parallel.activation_checkpoint import apply_ac
 from plait.parallel.mesh import DP_DIMS
+from plait.config import ActivationCheckpoint
 from plait.precision import Precision
 
 _parametrization_on = True
@@ -63,36 +63,6 @@ class ReplicateComputation:
         return DTensor.from_local(local, self.tp_mesh, tp, run_check=False, shape=param.shape, stride=param.stride())
 
 
-# Outputs worth keeping from forward to backward; everything else in a block (the parameter
-# all-gathers and casts, views, element-wise ops) is recomputed in backward.
-SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default}
-
-
-def _save_only_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_SAVE if op in SAVED_OPS else CheckpointPolicy.MUST_RECOMPUTE
-
-
-def reshard_after_forward(block: nn.Module) -> None:
-    """Free each block's gathered parameters after its forward, as FSDP does.
-
-    Selective activation checkpointing of the block: matmul and attention outputs are kept,
-    while the gathered parameters (and everything cheap derived from them) are recomputed in
-    backward, so between forward and backward only the shards stay in memory.
-    """
-    forward = block.forward
-    context = functools.partial(create_selective_checkpoint_contexts, _save_only_matmuls)
-
-    def resharding_forward(*args):
-        if not torch.is_grad_enabled():
-            return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context)
-
-    block.forward = resharding_forward
-
-
 def _parametrize(module: nn.Module, compute: ReplicateComputation, classes: dict) -> None:
     """Swap in a subclass whose parameter attributes are computed properties. Modules of one
     class share one subclass: torch.compile guards on types, and a class per module would
@@ -118,7 +88,8 @@ def storage_placements(param: torch.Tensor, tp_size: int) -> list:
     return [Replicate(), dp_shard, tp]
 
 
-def apply_simple_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, reshard: bool) -> None:
+def apply_simple_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, reshard: bool,
+                      ac: ActivationCheckpoint, n_blocks: int) -> None:
     """Store every parameter as a DTensor on the data-parallel mesh (with the tp dimension for
     TP-sharded parameters) and parametrize its access."""
     tp_mesh = mesh["tp"]
@@ -135,9 +106,12 @@ def apply_simple_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, 
             stored = distribute_tensor(full, storage_mesh, storage_placements(param, tp_mesh.size()), src_data_rank=None)
             module.register_parameter(name, nn.Parameter(stored, requires_grad=param.requires_grad))
         _parametrize(module, compute, classes)
-    if reshard and mesh["dp_shard"].size() > 1:
-        for block in model.layers.values():
-            reshard_after_forward(block)
+    # Resharding is selective activation checkpointing of each block: matmul and attention
+    # outputs are kept, the gathered parameters (and what is cheaply derived from them) are
+    # recomputed in backward, so between forward and backward only the shards stay in memory.
+    # So every block is checkpointed at least selectively; `full` where activation_checkpoint asks.
+    reshard = reshard and mesh["dp_shard"].size() > 1
+    apply_ac(model, ac.mode, ac.every, n_blocks, at_least_selective=reshard)
 
 
 def _gathered_numel(param: DTensor) -> int:

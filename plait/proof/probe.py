@@ -1,8 +1,10 @@
-"""A dtype probe: which dtypes the matmuls and collectives of a training step really ran in.
+"""A probe of one training step: which dtypes its matmuls and collectives really ran in, and
+how many bytes of activations its forward left alive for backward.
 
 It sits below autograd (a TorchDispatchMode), so it sees the ops that execute, including the
 backward's and the communication ops of FSDP2 and DDP, not what the code meant to run. Tests
-use it to prove the mixed-precision contract; `--debug.dtype_probe FILE` exposes it to users.
+use it to prove the mixed-precision contract and `plait plan`'s activation memory;
+`--debug.dtype_probe FILE` exposes it to users.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -31,25 +34,81 @@ def op_kind(func) -> str | None:
     return ATEN_KINDS.get(name)
 
 
-class DtypeProbe(TorchDispatchMode):
-    """Counts (phase, kind, op, input dtypes) for matmuls, attention, embedding, loss and collectives."""
+def _storages(tree) -> dict[int, torch.UntypedStorage]:
+    """data_ptr -> storage of the tensors in `tree` (a DTensor's local tensor's)."""
+    found = {}
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            try:
+                storage = getattr(t, "_local_tensor", t).untyped_storage()
+                if storage.nbytes():
+                    found[storage.data_ptr()] = storage
+            except RuntimeError:  # a wrapper without storage of its own (e.g. an async collective's)
+                continue
+    return found
 
-    def __init__(self, contexts):
+
+class SavedActivations:
+    """The bytes of storage that forward ops allocated and that are still alive when backward
+    begins: what autograd, checkpointing or a pipeline keeps for backward, however it
+    keeps it (a saved-tensors hook would miss what checkpoint regions hold, which install their
+    own). Parameters are excluded, gathered ones too: they are buffers, not activations."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.alive: dict[int, StorageWeakRef] = {}  # data_ptr -> storage created in a forward
+        self.bytes = 0
+
+    def created(self, args, out) -> None:
+        inputs = _storages(args)
+        for ptr, storage in _storages(out).items():
+            if ptr not in inputs:  # views and in-place ops return storages that already existed
+                self.alive[ptr] = StorageWeakRef(storage)
+
+    def measure(self) -> None:
+        params = {ptr for m in self.model.modules() for p in m._parameters.values() if p is not None
+                  for ptr in _storages(p)}
+        self.alive = {ptr: ref for ptr, ref in self.alive.items() if not ref.expired()}
+        total = sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                    for ptr, ref in self.alive.items() if ptr not in params)
+        self.bytes = total
+
+
+class DtypeProbe(TorchDispatchMode):
+    """Counts (phase, kind, op, input dtypes) for matmuls, attention, embedding, loss and
+    collectives, and the activation bytes the step's forwards leave for its first backward."""
+
+    def __init__(self, contexts, model: torch.nn.Module):
         super().__init__()
         self.contexts = contexts
         self.counts: Counter = Counter()
+        self.saved = SavedActivations(model)
+        self.measured = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        phase = self.contexts.phase
         kind = op_kind(func)
         if kind:
             dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tree_leaves((args, kwargs))
                              if isinstance(t, torch.Tensor) and t.is_floating_point()})
-            self.counts[(self.contexts.phase, kind, func._opname, ",".join(dtypes))] += 1
-        return func(*args, **(kwargs or {}))
+            self.counts[(phase, kind, func._opname, ",".join(dtypes))] += 1
+        if phase == "backward" and not self.measured:
+            # The step's first backward: every forward before it (one micro-batch, or a pipeline's
+            # warm-up forwards) has left its activations, and none has been freed yet. Later
+            # micro-batches repeat the first, and a pipeline's steady state holds no more.
+            self.saved.measure()
+            self.measured = True
+        out = func(*args, **(kwargs or {}))
+        if phase == "forward":
+            self.saved.created((args, kwargs), out)
+        return out
 
     def records(self) -> list[dict]:
-        return [{"phase": phase, "kind": kind, "op": op, "dtypes": dtypes, "count": count}
-                for (phase, kind, op, dtypes), count in sorted(self.counts.items())]
+        counts = [{"phase": phase, "kind": kind, "op": op, "dtypes": dtypes, "count": count}
+                  for (phase, kind, op, dtypes), count in sorted(self.counts.items())]
+        saved = {"phase": "forward", "kind": "saved_activations", "op": "", "dtypes": "", "count": 1,
+                 "bytes": self.saved.bytes}
+        return [*counts, saved]
 
     def save(self, path: str, records: list[dict] | None = None) -> None:
         """Write `records` (default: this process's) as JSON."""
