@@ -21,9 +21,11 @@ reports): it holds the largest FSDP chunk. The largest of the pipeline ranks is 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 import torch
 import tyro
@@ -99,10 +101,15 @@ def stage_blocks(args: ModelArgs, cfg: JobConfig, stage: int) -> range:
     return split_blocks(args.n_layers, stage_count(cfg), cfg.parallelism.pp_split_points)[stage]
 
 
+@functools.cache
+def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+
+
 def rank_parameters(args: ModelArgs, cfg: JobConfig, stages: list[int] | None) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the parameters of the pipeline stages a rank runs (all, without a pipeline)."""
-    with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+    shapes = parameter_shapes(args)
     if stages is None:
         return shapes
     keep = tuple(f"layers.{i}." for stage in stages for i in stage_blocks(args, cfg, stage))
@@ -197,10 +204,21 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     return total
 
 
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")
+
+
 def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[str, int]:
-    """Bytes per step of a rank's collectives (running `stages` of a pipeline), by kind, as
-    `plait trace` counts them: a gather's output, a scatter's input, a reduced tensor, a sent
-    or received tensor."""
+    """Bytes per step of a rank's collectives by kind (see `collectives`)."""
+    by_kind = dict.fromkeys(KINDS, 0)
+    for (kind, _), n in collectives(args, cfg, stages, e).items():
+        by_kind[kind] += n
+    return by_kind
+
+
+def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> Counter:
+    """Bytes per step of a rank's collectives (running `stages` of a pipeline) by (kind, mesh
+    dimension), as `plait trace` counts them: a gather's output, a scatter's input, a reduced
+    tensor, a sent or received tensor."""
     from plait.parallel.pipeline import microbatches
 
     p, t = cfg.parallelism, cfg.training
@@ -216,7 +234,7 @@ def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int
     tokens = sequences * t.seq_len
     reduce = 2 if cfg.training.mixed_precision_reduce == "bfloat16" else 4
     gather = e if cfg.training.mixed_precision_mode == "param" else 4
-    out = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "send", "recv"), 0)
+    out: Counter = Counter()
     blocks = [u for u in grouped if u != "root"]
     if p.dp_shard > 1:
         sizes = {u: gathered_elements(grouped[u], layout) for u in grouped}
@@ -225,12 +243,12 @@ def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int
         # the last micro-batch.
         # A pipeline stage keeps its units gathered for the whole step: one gather each.
         if stages is None:
-            out["all_gather"] += passes * gather * (sum(sizes.values()) + sum(sizes[u] for u in blocks[:-1]))
+            out["all_gather", "dp_shard"] += passes * gather * (sum(sizes.values()) + sum(sizes[u] for u in blocks[:-1]))
         else:
-            out["all_gather"] += gather * sum(sizes.values())
-        out["reduce_scatter"] += reduce * sum(sizes.values())
+            out["all_gather", "dp_shard"] += gather * sum(sizes.values())
+        out["reduce_scatter", "dp_shard"] += reduce * sum(sizes.values())
     if p.dp_replicate > 1:
-        out["all_reduce"] += reduce * sum(math.ceil(r / p.dp_shard) * c for n, s in params.items()
+        out["all_reduce", "dp_replicate"] += reduce * sum(math.ceil(r / p.dp_shard) * c for n, s in params.items()
                                           for r, c in [local_rows_cols(n, s, layout)])
     if p.tp > 1:
         # Sequence parallelism, per micro-batch: each block gathers its input twice (attention,
@@ -247,23 +265,23 @@ def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int
         # attention output the FFN's input needs (it stops before the FFN's own reduce-scatter).
         ac = cfg.activation_checkpoint
         recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))
-        out["all_gather"] += passes * (each + 2 * recomputed * activation)
-        out["reduce_scatter"] += passes * (each + recomputed * activation)
+        out["all_gather", "tp"] += passes * (each + 2 * recomputed * activation)
+        out["reduce_scatter", "tp"] += passes * (each + recomputed * activation)
         norms = 2 * n_blocks + last
         # Over several micro-batches FSDP2 accumulates unsharded gradients in the reduce dtype.
-        out["all_reduce"] += norms * args.dim * (e if passes == 1 else reduce) + passes * last * 3 * tokens * 4
+        out["all_reduce", "tp"] += norms * args.dim * (e if passes == 1 else reduce) + passes * last * 3 * tokens * 4
     if p.pp > 1:
         # A stage sends its output forward and receives its gradient back, per micro-batch
         # (the sequence shard under TP with SP); the next stage the reverse. Neighbouring
         # stages on one rank (the bottom of zbv's V) hand over without communicating.
         ranks = {s: r for r in range(p.pp) for s in rank_stages(cfg, r)}
         hops = sum(ranks.get(s + step, ranks[s]) != ranks[s] for s in stages for step in (-1, 1))
-        out["send"] += passes * hops * tokens * args.dim // p.tp * e
-        out["recv"] += passes * hops * tokens * args.dim // p.tp * e
+        out["send", "pp"] += passes * hops * tokens * args.dim // p.tp * e
+        out["recv", "pp"] += passes * hops * tokens * args.dim // p.tp * e
     # The loss is summed over dp (and over pp from the last stage): one float32 each. The
     # gradient norm's per-parameter fp64 squares are summed over each dimension that shards
     # them (dp_shard, tp), and the stage sums over pp.
-    out["all_reduce"] += 4 * (1 + (p.pp > 1)) + 8 * len(params) * ((p.dp_shard > 1) + (p.tp > 1)) + 8 * (p.pp > 1)
+    out["all_reduce", "scalars"] += 4 * (1 + (p.pp > 1)) + 8 * len(params) * ((p.dp_shard > 1) + (p.tp > 1)) + 8 * (p.pp > 1)
     return out
 
 
@@ -298,34 +316,55 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     return gathered + logits
 
 
-def step_seconds(args: ModelArgs, cfg: JobConfig, world: int, comm: dict[str, int], peak_tflops: float,
-                 link_gbps: float) -> float:
-    """Roofline: the step's FLOPs split over the world at `peak_tflops` (plus a block forward
-    recomputed per checkpointed block, a pipeline's bubble), then the communication that cannot
+@dataclass(frozen=True)
+class Hardware:
+    peak_tflops: float
+    node_size: int
+    intra_node_gbps: float
+    inter_node_gbps: float
+
+
+def link_seconds(kind: str, dim: str, n: int, cfg: JobConfig, hw: Hardware) -> float:
+    """Seconds to move `n` bytes of one collective over a ring of a mesh dimension: gathers and
+    scatters move (g-1)/g of the buffer per rank, all-reduces twice that, point-to-point all of
+    it; within a node at NVLink speed, else at the network's. The mesh is (pp, dp_replicate,
+    dp_shard, tp), tp innermost: a dimension stays in a node while its ranks do."""
+    p = cfg.parallelism
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+    order = list(sizes)
+    if dim not in sizes:  # scalars (loss, gradient norm): latency, not bandwidth
+        return 0.0
+    group = sizes[dim]
+    span = group * math.prod(sizes[d] for d in order[order.index(dim) + 1:])
+    factor = {"all_gather": (group - 1) / group, "reduce_scatter": (group - 1) / group,
+              "all_reduce": 2 * (group - 1) / group}.get(kind, 1.0)
+    gbps = hw.intra_node_gbps if span <= hw.node_size else hw.inter_node_gbps
+    return n * factor / (gbps * 1e9)
+
+
+def step_seconds(args: ModelArgs, cfg: JobConfig, world: int, comm: Counter, hw: Hardware) -> float:
+    """Roofline: the step's FLOPs split over the world at the peak (plus the forward a
+    checkpointed block recomputes, and a pipeline's bubble), then the communication that cannot
     hide behind compute: TP's and the pipeline's sit on the critical path, data-parallel
-    gathers and reductions overlap with compute."""
+    gathers and reductions overlap with compute (FSDP prefetches, reductions run in backward)."""
     from plait.parallel.pipeline import microbatches, stages_per_rank
 
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
-    tokens = t.global_batch_size * t.seq_len
-    flops = flops_per_token(args, t.seq_len) * tokens / world
+    flops = flops_per_token(args, t.seq_len) * t.global_batch_size * t.seq_len / world
     checkpointed = len(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) / args.n_layers
-    recompute = {"none": 0.0, "selective": 0.05, "full": 1 / 3}[ac.mode] * checkpointed
-    compute = flops * (1 + recompute) / (peak_tflops * 1e12)
+    # A block's forward is a third of its training FLOPs; selective recomputes element-wise ops only.
+    recompute = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[ac.mode] * checkpointed
+    compute = flops * (1 + recompute) / (hw.peak_tflops * 1e12)
     if p.pp > 1:
-        stages, m = p.pp * stages_per_rank(cfg), microbatches(cfg)
-        compute *= 1 + (p.pp - 1) / (m * stages // p.pp)
-    bandwidth = link_gbps * 1e9
-    exposed = 0.0
-    if p.tp > 1 or p.pp > 1:
-        tp_share = comm["send"] + comm["recv"] + (comm["all_gather"] + comm["reduce_scatter"]) * (p.tp > 1)
-        exposed += tp_share / bandwidth
-    data_parallel = (sum(comm.values()) - (tp_share if p.tp > 1 or p.pp > 1 else 0)) / bandwidth
-    return compute + exposed + max(0.0, data_parallel - compute)
+        compute *= 1 + (p.pp - 1) / (microbatches(cfg) * stages_per_rank(cfg))
+    times = {(kind, dim): link_seconds(kind, dim, n, cfg, hw) for (kind, dim), n in comm.items()}
+    critical = sum(s for (_, dim), s in times.items() if dim in ("tp", "pp"))
+    overlapped = sum(s for (_, dim), s in times.items() if dim not in ("tp", "pp"))
+    return compute + critical + max(0.0, overlapped - compute)
 
 
-def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, peak_tflops: float,
-            link_gbps: float) -> tuple[list[Row], dict[str, str]]:
+def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float,
+            hw: Hardware) -> tuple[list[Row], dict[str, str]]:
     """Rows for every runnable layout x AC mode, sorted best first; and why each other layout cannot run."""
     e = 2 if base.training.mixed_precision_param in ("auto", "bfloat16") else 4
     rows, refused = [], {}
@@ -341,7 +380,7 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, pea
             for pp_rank in range(layout.pp):  # every pp rank: its stages differ in what they hold
                 stages = rank_stages(cfg, pp_rank)
                 params = rank_parameters(args, cfg, stages)
-                comm = comm_bytes(args, cfg, stages, e)
+                comm = collectives(args, cfg, stages, e)
                 pipeline_split = 1 if stages is None else _microbatches(cfg)
                 tokens = cfg.training.seq_len * cfg.training.micro_batch_size // pipeline_split
                 state = state_bytes(params, layout) / GIB
@@ -349,8 +388,9 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, pea
                 buffers = buffer_bytes(args, cfg, params, e, tokens) / GIB
                 total = state + activations + buffers
                 if best is None or total > best.total_gib:
-                    best = Row(str(layout), ac, state, activations, buffers, total, sum(comm.values()), comm,
-                               total <= memory_gib, step_seconds(args, cfg, world, comm, peak_tflops, link_gbps))
+                    by_kind = {kind: n for kind in KINDS if (n := sum(v for (k, _), v in comm.items() if k == kind))}
+                    best = Row(str(layout), ac, state, activations, buffers, total, sum(comm.values()), by_kind,
+                               total <= memory_gib, step_seconds(args, cfg, world, comm, hw))
             rows.append(best)
     # Ties (a communication-bound step hides recompute) go to the layout that recomputes least.
     rows.sort(key=lambda r: (not r.fits, r.step_seconds, AC_MODES.index(r.activation_checkpoint), r.total_gib))
@@ -383,8 +423,12 @@ class PlanArgs:
     """memory of one device, GiB"""
     peak_tflops: float = GPU_PEAK_TFLOPS[[name for name, *_ in GPU_PEAK_TFLOPS].index("H100")][1]
     """one device's dense peak, TFLOP/s (default: H100 SXM bf16, from its data sheet)"""
-    link_gbps: float = 50.0
-    """bytes per second one rank's collectives move, GB/s (default: a 400 Gb/s InfiniBand port)"""
+    node_size: int = 8
+    """devices per node: collectives of groups within a node run at intra_node_gbps"""
+    intra_node_gbps: float = 450.0
+    """GB/s a rank moves to others in its node (default: H100 NVLink, 450 GB/s each way)"""
+    inter_node_gbps: float = 50.0
+    """GB/s a rank moves across nodes (default: one 400 Gb/s InfiniBand port per GPU)"""
     json: bool = False
     """print the rows as JSON instead of a table"""
 
@@ -450,7 +494,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError("world / device_memory_gib: must be >= 1 / > 0")
     base = parse_args(rest, prog="plait plan")
     args = model_shape(base)
-    rows, refused = predict(base, args, opts.world, opts.device_memory_gib, opts.peak_tflops, opts.link_gbps)
+    hw = Hardware(opts.peak_tflops, opts.node_size, opts.intra_node_gbps, opts.inter_node_gbps)
+    rows, refused = predict(base, args, opts.world, opts.device_memory_gib, hw)
     if not rows:
         reasons = "; ".join(sorted(set(refused.values())))
         raise ConfigError(f"world: no layout of {opts.world} ranks can run this job: {reasons}")
