@@ -15,16 +15,17 @@ pytestmark = pytest.mark.slow
 def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "3",
-                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "pp", "--out", str(out),
+                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp", "--out",
+                           str(out),
                            "--emulated_bf16", "run"],  # the same rows on every CPU kind
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("| layout | world | bf16 tok/s | MFU | vs raw | vs fp32 | peak mem GiB | state GiB/rank "
-            "| collectives/step |") in proc.stdout
+            "| collectives/step | AC vs FSDP2 |") in proc.stdout
     assert "| raw PyTorch loop (no plait) | 1 |" in proc.stdout and "| FSDP2 | 2 |" in proc.stdout
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {row["key"]: row for row in result["rows"]}
-    assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2", "pp"]
+    assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp"]
     for dtype in ("float32", "bfloat16"):
         assert all(row[f"{dtype}_tokens_per_sec"] > 0 and row[f"{dtype}_vs_raw"] > 0
                    and row[f"{dtype}_memory_gib"] > 0 for row in rows.values())
@@ -35,6 +36,11 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
         # FSDP2 at world 2 holds half of everything (up to shard padding).
         assert rows["fsdp2"][f"{dtype}_state_gib"] == pytest.approx(rows["ddp"][f"{dtype}_state_gib"] / 2, rel=1e-3)
         assert rows["single"][f"{dtype}_collectives_per_step"] == 0
+        # Activation checkpointing: its peak memory and speed against FSDP2's, the same state.
+        ac = rows["fsdp2_ac_full"]
+        assert ac[f"{dtype}_state_gib"] == rows["fsdp2"][f"{dtype}_state_gib"] and ac[f"{dtype}_ac_speed"] > 0
+        assert ac[f"{dtype}_ac_saved_gib"] == rows["fsdp2"][f"{dtype}_memory_gib"] - ac[f"{dtype}_memory_gib"]
+        assert "| FSDP2, AC full | 2 |" in proc.stdout and " GiB saved, " in proc.stdout
         assert rows["ddp"][f"{dtype}_collectives_per_step"] > 0 and rows["fsdp2"][f"{dtype}_collectives_per_step"] > 0
     ratio, pipeline = result["state_ratios"]
     assert ratio["layout"] == "FSDP2" and ratio["ratio"] == pytest.approx(0.5, rel=1e-3)
@@ -65,6 +71,6 @@ def test_bench_says_when_bf16_was_not_measured():
                "dtypes": ["float32"], "peak_tflops": {"float32": 0.1}}
     text = markdown({"settings": {"seq_len": 64, "global_batch_size": 4, "warmup": 2, "steps": 3},
                      "hardware": {"debug": machine}, "rows": [row], "state_ratios": []})
-    assert "| single device | 1 | 100 | 50.0% | - | 1.00 | 0.1 | 0 |" in text
+    assert "| single device | 1 | 100 | 50.0% | - | 1.00 | 0.1 | 0 | - |" in text
     assert "bf16: not measured, emulated on this device (emulated here); `plait bench --emulated_bf16 run`" in text
     assert "bf16 tok/s" not in text

@@ -34,7 +34,8 @@ from plait.model import linear_weight_shapes, model_args
 from plait.proof.trace import idle_fractions, summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
-              "fsdp2_compiled", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp", "pp", "pp_fsdp2"]
+              "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
+              "pp", "pp_fsdp2"]
 PP_MICROBATCHES = 4
 DTYPES = ("float32", "bfloat16")
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
@@ -81,6 +82,9 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         "simple_fsdp": ("SimpleFSDP fully_shard", nproc, simple),
         "simple_fsdp_compiled": ("SimpleFSDP fully_shard, compiled", nproc, [*simple, "--compile.enable"]),
         "fsdp2_compiled": ("FSDP2, compiled", nproc, ["--parallelism.dp_shard", n, "--compile.enable"]),
+        **{f"fsdp2_ac_{mode}": (f"FSDP2, AC {mode}", nproc, ["--parallelism.dp_shard", n,
+                                                            "--activation_checkpoint.mode", mode])
+           for mode in ("selective", "full")},
         "tp": ("TP2", 2, tp),
         "ddp_tp": (f"DDP{n}+TP2", 2 * nproc, ["--parallelism.dp_replicate", n, "--parallelism.dp_shard", "1", *tp]),
         "fsdp2_tp": (f"FSDP2({n})+TP2", 2 * nproc, ["--parallelism.dp_shard", n, *tp]),
@@ -186,6 +190,7 @@ def bench(cfg: BenchConfig) -> dict:
                                                      for dtype in machine[flavor]["dtypes"]), file=sys.stderr, flush=True)
                 table.append(row)
     add_vs_raw(table)
+    add_ac_effect(table)
     return {"settings": asdict(cfg), "hardware": machine, "rows": table, "state_ratios": state_ratios(table)}
 
 
@@ -204,6 +209,23 @@ def add_vs_raw(table: list[dict]) -> None:
             base = raw.get(r["flavor"])
             if f"{dtype}_tokens_per_sec" in r:
                 r[f"{dtype}_vs_raw"] = r[f"{dtype}_tokens_per_sec"] / base[f"{dtype}_tokens_per_sec"] if base else None
+
+
+def add_ac_effect(table: list[dict]) -> None:
+    """Activation-checkpointing rows against FSDP2 without it: peak memory saved, tokens/s ratio."""
+    plain = {r["flavor"]: r for r in table if r["key"] == "fsdp2"}
+    for r in table:
+        base = plain.get(r["flavor"])
+        for dtype in DTYPES:
+            if r["key"].startswith("fsdp2_ac_") and base and f"{dtype}_tokens_per_sec" in r:
+                r[f"{dtype}_ac_saved_gib"] = base[f"{dtype}_memory_gib"] - r[f"{dtype}_memory_gib"]
+                r[f"{dtype}_ac_speed"] = r[f"{dtype}_tokens_per_sec"] / base[f"{dtype}_tokens_per_sec"]
+
+
+def ac_cell(row: dict, dtype: str) -> str:
+    if f"{dtype}_ac_saved_gib" not in row:
+        return "-"
+    return f"{row[f'{dtype}_ac_saved_gib']:+.2f} GiB saved, {row[f'{dtype}_ac_speed']:.2f}x tok/s"
 
 
 def state_ratios(table: list[dict]) -> list[dict]:
@@ -245,15 +267,15 @@ def markdown(result: dict) -> str:
                 continue
             speedup = " vs fp32 |" if dtype == "bfloat16" else ""
             lines += [f"| layout | world | {short} tok/s | MFU | vs raw |{speedup} peak mem GiB | state GiB/rank "
-                      f"| collectives/step |",
-                      "|---|---|---|---|---|---|---|---|" + "---|" * bool(speedup)]
+                      f"| collectives/step | AC vs FSDP2 |",
+                      "|---|---|---|---|---|---|---|---|---|" + "---|" * bool(speedup)]
             for r in rows:
                 vs_raw, mfu = r[f"{dtype}_vs_raw"], r[f"{dtype}_mfu"]
                 lines.append(f"| {r['layout']} | {r['world']} | {r[f'{dtype}_tokens_per_sec']:.0f} "
                              f"| {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {'-' if vs_raw is None else f'{vs_raw:.2f}x'} |"
                              + (f" {r['bf16_speedup']:.2f}x |" if speedup else "")
                              + f" {r[f'{dtype}_memory_gib']:.2f} | {r[f'{dtype}_state_gib']:.3g} "
-                             f"| {r[f'{dtype}_collectives_per_step']:g} |")
+                             f"| {r[f'{dtype}_collectives_per_step']:g} | {ac_cell(r, dtype)} |")
             lines.append("")
         lines += [f"{s['layout']} state per rank / {s['reference']} state per rank at world {s['world']}: "
                   f"{s['ratio']:.2f}" for s in result["state_ratios"] if s["flavor"] == flavor]
