@@ -271,6 +271,10 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(f"model.n_layers: must be >= 0 (0 = the flavor's), got {cfg.model.n_layers}")
     if cfg.activation_checkpoint.every < 1:
         raise ConfigError(f"activation_checkpoint.every: must be >= 1, got {cfg.activation_checkpoint.every}")
+    if cfg.activation_checkpoint.mode == "full" and p.dp_backend == "simple_fsdp" and cfg.compile.enable:
+        raise ConfigError("activation_checkpoint.mode: full under simple_fsdp with compile.enable fails in torch 2.13's "
+                          "partitioner (it tries to save the device mesh); allowed there: none or selective (what "
+                          "SimpleFSDP's resharding does anyway), or full without compile.enable")
     others = p.dp_replicate * p.tp * p.pp
     if p.dp_shard == -1:
         if world % others:

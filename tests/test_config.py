@@ -65,6 +65,9 @@ def test_unknown_config_name_lists_named_configs():
     (["--data.path", "/no/such/file.txt"], "data.path"),
     (["--data.tokenizer", "/no/such/tokenizer.json"], "data.tokenizer"),
     (["--profiling.steps", "0"], "profiling.steps: must be >= 1"),
+    (["--activation_checkpoint.every", "0"], "activation_checkpoint.every: must be >= 1"),
+    (["--activation_checkpoint.mode", "full", "--parallelism.dp_backend", "simple_fsdp", "--compile.enable"],
+     "activation_checkpoint.mode: full under simple_fsdp with compile.enable"),
     (["--profiling.enable", "--profiling.folder", ""], "profiling.folder"),
     (["--profiling.enable", "--training.steps", "2"], "needs training.steps >= 3"),
 ])

@@ -21,7 +21,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # Outputs `selective` keeps: matmuls, attention (every backend's kernel), and the TP collectives,
 # so recompute never communicates. SimpleFSDP's parameter all-gathers are excluded on purpose:
@@ -36,16 +36,22 @@ SAVED_OPS = MATMULS | {torch.ops._c10d_functional.reduce_scatter_tensor.default,
                       torch.ops._c10d_functional.all_reduce.default}
 
 
+# MUST_*, not PREFER_*: under torch.compile the partitioner would otherwise decide for itself.
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # MUST_*, not PREFER_*: under torch.compile the partitioner would otherwise decide for itself.
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _full_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
 
 
 def checkpoint_block(block: nn.Module, selective: bool) -> None:
     """Wrap `block.forward` in a checkpoint: selective (keep SAVED_OPS' outputs) or full (keep
     nothing inside the block)."""
     forward = block.forward
-    context = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if selective else noop_context_fn
+    # Full is a policy too, rather than checkpoint's default: torch.compile traces a policy's
+    # context around SimpleFSDP's parametrized blocks, not the default (it would save the mesh).
+    context = functools.partial(create_selective_checkpoint_contexts, _selective_policy if selective else _full_policy)
 
     def checkpointed_forward(*args):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
