@@ -26,7 +26,9 @@ CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", 
     ("fsdp2", BF16, [], 2e-3),  # measured 4.6e-4 (6.1e-4 single device)
     ("classic_ddp", BF16, AUTOCAST, 2e-3),  # measured 1.2e-4 (1.7e-4 single device autocast)
     ("pp", [], [], 1e-6),  # PP2 1f1b, blocks compiled inside the stages: measured 4.8e-7
-], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32"])
+    # activation checkpointing inside the compiled blocks (eager side: test_plan's AC run)
+    ("fsdp2", [], ["--activation_checkpoint.mode", "full"], 1e-6),
+], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32", "fsdp2-fp32-ac-full"])
 def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mode, tolerance):
     eager, _ = layout_run(train_once, layout, precision, mode)  # shared with the parity tests
     world, args = LAYOUTS[layout]

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import BF16, LAYOUTS, REPORTS, STEPS, TINY, layout_run, losses
 from plait import plan
+from plait.plan import comm, memory
 from plait.cli import main
 from plait.config import parse_args, validate
 from plait.proof.trace import summarise
@@ -59,25 +60,26 @@ def check(train_once, name: str, precision: str, extra: list[str] = ()) -> dict:
     options = [*STEPS, *args, *PRECISIONS[precision], *extra]
     rows, probe = train_once(world, *options)
     cfg = validate(parse_args([*TINY, *options]), world)
-    model, stages = plan.model_shape(cfg), plan.rank_stages(cfg, 0)
+    model, stages = plan.model_shape(cfg), memory.rank_stages(cfg, 0)
     p = cfg.parallelism
-    state = plan.state_bytes(plan.rank_parameters(model, cfg, stages), plan.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp))
+    layout = memory.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp)
+    state = memory.state_bytes(memory.rank_parameters(model, cfg, stages), layout)
     assert state / 2**30 == rows[0]["state_gib"], (name, precision, state)
     predicted = {"state": state}
     parts = PARTLY.get(name, {"state", "activations", "comm"})
     e = 2 if precision == "bf16" else 4
     if "activations" in parts:
         saved = next(r["bytes"] for r in probe if r["kind"] == "saved_activations" and r["rank"] == 0)
-        activations = plan.activation_bytes(model, cfg, stages, e)
+        activations = memory.activation_bytes(model, cfg, stages, e)
         if name in BOUNDED:
             assert saved <= activations, (name, precision, saved, activations)
         else:
             assert abs(activations / saved - 1) <= ACTIVATION_TOLERANCE, (name, precision, saved, activations)
         predicted |= {"activations": activations, "saved": saved}
     if "comm" in parts:
-        comm = {kind: n for kind, n in plan.comm_bytes(model, cfg, stages, e).items() if n}
-        assert comm == measured_comm(train_once, (world, tuple(options))), (name, precision, comm)
-        predicted["comm"] = sum(comm.values())
+        by_kind = {kind: n for kind, n in comm.comm_bytes(model, cfg, stages, e).items() if n}
+        assert by_kind == measured_comm(train_once, (world, tuple(options))), (name, precision, by_kind)
+        predicted["comm"] = sum(by_kind.values())
     return predicted
 
 

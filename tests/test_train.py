@@ -1,6 +1,5 @@
 """End-to-end behaviour of `plait train`: metrics, reproducibility, and failing loudly."""
 
-import json
 import os
 import signal
 import subprocess

@@ -1,0 +1,184 @@
+"""Per-rank memory of a layout, from the model's shapes: state (exact), saved activations per
+activation-checkpoint mode (exact for every layout the tests run, an upper bound for the
+interleaved and V pipeline schedules), and buffers (an estimate).
+
+A rank's pipeline stages (`stages`, None without a pipeline) say which parameters it holds; the
+first rank of each pipeline rank is predicted, holding the largest FSDP chunk (ceil).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from plait.config import JobConfig
+from plait.model import ModelArgs, Transformer
+from plait.parallel.activation_checkpoint import checkpointed_blocks
+
+COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight")
+ROWWISE = ("wo.weight", "w2.weight")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    def __str__(self) -> str:  # the spelling `plait compare --run` takes
+        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},tp={self.tp},pp={self.pp}"
+
+
+def local_rows_cols(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
+    """Rank 0's (rows, columns) of a parameter: TP's split, then FSDP's dim-0 chunk (the first
+    chunk is the largest: ceil)."""
+    rows, cols = shape[0], math.prod(shape[1:])
+    if layout.tp > 1 and name.endswith(COLWISE):
+        rows //= layout.tp
+    elif layout.tp > 1 and name.endswith(ROWWISE):
+        cols //= layout.tp
+    return rows, cols
+
+
+def rank_stages(cfg: JobConfig, pp_rank: int) -> list[int] | None:
+    """The pipeline stages a pp rank runs (None without a pipeline)."""
+    from plait.parallel.pipeline import stage_indices, stages_per_rank
+
+    p = cfg.parallelism
+    return None if p.pp == 1 else stage_indices(pp_rank, p.pp, stages_per_rank(cfg), p.pp_schedule)
+
+
+def stage_count(cfg: JobConfig) -> int:
+    from plait.parallel.pipeline import stages_per_rank
+
+    return cfg.parallelism.pp * stages_per_rank(cfg)
+
+
+def stage_blocks(args: ModelArgs, cfg: JobConfig, stage: int) -> range:
+    from plait.parallel.pipeline import split_blocks
+
+    return split_blocks(args.n_layers, stage_count(cfg), cfg.parallelism.pp_split_points)[stage]
+
+
+@functools.cache
+def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+
+
+def rank_parameters(args: ModelArgs, cfg: JobConfig, stages: list[int] | None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the parameters of the pipeline stages a rank runs (all, without a pipeline)."""
+    shapes = parameter_shapes(args)
+    if stages is None:
+        return shapes
+    keep = tuple(f"layers.{i}." for stage in stages for i in stage_blocks(args, cfg, stage))
+    keep += ("tok_embeddings.",) * (0 in stages) + ("norm.", "output.") * (stage_count(cfg) - 1 in stages)
+    return {n: s for n, s in shapes.items() if n.startswith(keep)}
+
+
+def block_indices(unit_names: list[str]) -> set[int]:
+    return {int(name.split(".")[1]) for name in unit_names}
+
+
+def units(params: dict[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """FSDP units: one per block, the rest in the root."""
+    grouped: dict[str, dict] = {}
+    for name, shape in params.items():
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        grouped.setdefault(key, {})[name] = shape
+    return grouped
+
+
+def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout) -> int:
+    """fp32 parameter + fp32 gradient + AdamW exp_avg and exp_avg_sq, per element; and AdamW's
+    step counter (a float32 scalar tensor) per parameter."""
+    total = 0
+    for name, shape in params.items():
+        rows, cols = local_rows_cols(name, shape, layout)
+        total += math.ceil(rows / layout.dp_shard) * cols * 16 + 4
+    return total
+
+
+def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
+    """Elements of a unit's FSDP all-gather: every parameter's TP piece, rows padded to a
+    multiple of dp_shard."""
+    total = 0
+    for name, shape in unit.items():
+        rows, cols = local_rows_cols(name, shape, layout)
+        total += math.ceil(rows / layout.dp_shard) * layout.dp_shard * cols
+    return total
+
+
+def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int) -> int:
+    """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
+
+    none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
+    bf16), the normalised fp32 values and its output (8d + e*d) plus 1/rms (4); attention keeps
+    rotated q, repeated k and v and its output (4 * heads * head_dim * e) and its log-sum-exp
+    (4 per head); SwiGLU keeps w1 and w3 outputs, silu's and the product (4 * ffn * e).
+    selective keeps every matmul and attention output and the block input; full the input only.
+    Under TP heads and FFN are split, the norms run on the sequence shard, and the q/k/v and
+    w1/w3 inputs are the gathered (full-sequence) norm outputs.
+    """
+    d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
+    if mode == "full":
+        return tokens * e * d // tp
+    if mode == "selective":
+        # wq, wk, wv, w1, w3; wo and w2 (full-sequence partial sums, and under TP their scattered sums)
+        matmuls = heads * hd + 2 * kv * hd + 2 * ffn + 2 * d + (2 * d // tp if tp > 1 else 0)
+        return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads)
+    norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
+    return norms + tokens * (4 * heads * hd * e + 4 * heads + 4 * ffn * e)
+
+
+def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> int:
+    """Saved activations of a rank at its first backward: for each of its pipeline stages (or
+    the whole model) the micro-batches in flight, each with its blocks (per AC mode) and, on
+    the last stage, the final norm and the loss's fp32 log-softmax, on the others the output
+    kept for backward. In-flight counts are exact for gpipe (every forward first) and 1f1b
+    (pp - stage forwards before the first backward); for the interleaved and V schedules
+    they are an upper bound (stages - stage)."""
+    from plait.parallel.pipeline import microbatches
+
+    t, p = cfg.training, cfg.parallelism
+    if stages is None:
+        return _stage_activations(args, cfg, range(args.n_layers), True, t.micro_batch_size * t.seq_len, e)
+    total, m, count = 0, microbatches(cfg), stage_count(cfg)
+    for stage in stages:
+        in_flight = {"gpipe": m, "1f1b": min(m, p.pp - stage)}.get(p.pp_schedule, min(m, count - stage))
+        tokens = t.micro_batch_size // m * t.seq_len
+        total += in_flight * _stage_activations(args, cfg, stage_blocks(args, cfg, stage), stage == count - 1, tokens, e)
+    return total
+
+
+def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: bool, tokens: int, e: int) -> int:
+    tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
+    chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
+    total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp) for i in blocks)
+    if last:
+        vocab = args.vocab_size // tp
+        total += tokens // tp * (8 * args.dim + 4) + tokens * (e * args.dim + 4 * vocab) + 8
+    else:  # the schedule keeps the stage's output (the sequence shard under TP) for its backward
+        total += tokens * args.dim // tp * e
+    return total
+
+
+def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: int) -> int:
+    """Workspace beside state and activations (an estimate): gathered parameters in the compute
+    dtype (the root unit and two blocks, the one computing and the one prefetched, when FSDP
+    shards; every parameter when it does not and compute is not fp32), one block's unsharded
+    fp32 gradients before their reduce-scatter, and the logits with their fp32 copy."""
+    p = cfg.parallelism
+    grouped = units(params)
+    sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp)) for u in grouped}
+    blocks = sorted((s for u, s in sizes.items() if u != "root"), reverse=True)
+    if p.dp_shard > 1:
+        gathered = e * (sizes.get("root", 0) + sum(blocks[:2])) + 4 * (blocks[0] if blocks else 0)
+    else:
+        gathered = e * sum(sizes.values()) if e != 4 else 0
+    logits = tokens * args.vocab_size // p.tp * (e + 4) if "output.weight" in params else 0
+    return gathered + logits
