@@ -5,9 +5,9 @@ non-reentrant `torch.utils.checkpoint` (FQNs, and so plans and checkpoints, stay
 plain model):
 
 - `full`: a block keeps only its input; backward re-runs its whole forward.
-- `selective`: a block keeps the outputs of its matmuls, attention and TP collectives (the
-  expensive ops and the ones that communicate) and recomputes the rest (norms, RoPE, SiLU,
-  casts, views): less memory than `none` for a few percent of recompute.
+- `selective`: a block keeps the outputs of its matmuls, attention and TP reductions (the
+  expensive ops) and recomputes the rest (norms, RoPE, SiLU, casts, views): less memory than
+  `none` for a few percent of recompute.
 - `every` N: only blocks 0, N, 2N, ... are checkpointed, trading memory against recompute.
 
 SimpleFSDP reshards by the same mechanism (its blocks recompute their parameter all-gathers in
@@ -23,9 +23,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# Outputs `selective` keeps: matmuls, attention (every backend's kernel), and the TP collectives,
-# so recompute never communicates. SimpleFSDP's parameter all-gathers are excluded on purpose:
-# recomputing them is what frees the gathered parameters between forward and backward.
+# Outputs `selective` keeps: matmuls, attention (every backend's kernel), and TP's reductions
+# (as torchtitan does). All-gathers are recomputed on purpose: SimpleFSDP's parameter gathers,
+# because recomputing them is what frees the gathered parameters between forward and backward,
+# and TP's sequence-parallel gathers, which are activations as large as a block input. Measured
+# under TP (full and selective alike): a checkpointed block's backward repeats two all-gathers
+# and one reduce-scatter; plan predicts exactly these (tests/test_plan.py).
 _ops = torch.ops.aten
 MATMULS = {_ops.mm.default, _ops.addmm.default, _ops.bmm.default,
            _ops._scaled_dot_product_flash_attention_for_cpu.default,

@@ -31,7 +31,7 @@ import tyro
 from plait.config import ConfigError, JobConfig, parse_args, validate
 from plait.hardware import GPU_PEAK_TFLOPS
 from plait.model import ModelArgs
-from plait.plan.comm import KINDS, Hardware, collectives, step_seconds
+from plait.plan.comm import Hardware, collectives, comm_bytes, step_seconds
 from plait.plan.memory import Layout, activation_bytes, buffer_bytes, rank_parameters, rank_stages, state_bytes
 
 AC_MODES = ("none", "selective", "full")
@@ -65,7 +65,7 @@ class Row:
     buffers_gib: float
     total_gib: float
     comm_bytes: int
-    comm_by_kind: dict
+    comm_by_collective: dict  # "phase kind" -> bytes per step
     fits: bool
     step_seconds: float
 
@@ -95,8 +95,8 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float,
                 buffers = buffer_bytes(args, cfg, params, e, tokens) / GIB
                 total = state + activations + buffers
                 if best is None or total > best.total_gib:
-                    by_kind = {kind: n for kind in KINDS if (n := sum(v for (k, _), v in comm.items() if k == kind))}
-                    best = Row(str(layout), ac, state, activations, buffers, total, sum(comm.values()), by_kind,
+                    by_collective = {f"{phase} {kind}": n for (phase, kind), n in comm_bytes(args, cfg, stages, e).items()}
+                    best = Row(str(layout), ac, state, activations, buffers, total, sum(comm.values()), by_collective,
                                total <= memory_gib, step_seconds(args, cfg, world, comm, hw))
             rows.append(best)
     # Ties (a communication-bound step hides recompute) go to the layout that recomputes least.

@@ -15,21 +15,18 @@ from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import Layout, block_indices, gathered_elements, local_rows_cols, rank_parameters, rank_stages, units
 
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")
-
-
-def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[str, int]:
-    """Bytes per step of a rank's collectives by kind (see `collectives`)."""
-    by_kind = dict.fromkeys(KINDS, 0)
-    for (kind, _), n in collectives(args, cfg, stages, e).items():
-        by_kind[kind] += n
-    return by_kind
+def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[tuple[str, str], int]:
+    """Bytes per step of a rank's collectives by (phase, kind), as `plait trace` lists them."""
+    by_phase = Counter()
+    for (phase, kind, _), n in collectives(args, cfg, stages, e).items():
+        by_phase[phase, kind] += n
+    return dict(by_phase)
 
 
 def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> Counter:
-    """Bytes per step of a rank's collectives (running `stages` of a pipeline) by (kind, mesh
-    dimension), as `plait trace` counts them: a gather's output, a scatter's input, a reduced
-    tensor, a sent or received tensor."""
+    """Bytes per step of a rank's collectives (running `stages` of a pipeline) by (phase, kind,
+    mesh dimension), as `plait trace` counts them: a gather's output, a scatter's input, a
+    reduced tensor, a sent or received tensor."""
     from plait.parallel.pipeline import microbatches
 
     p, t = cfg.parallelism, cfg.training
@@ -37,62 +34,67 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     params = rank_parameters(args, cfg, stages)
     grouped = units(params)
     local_batch = t.global_batch_size // dp_degree(cfg)
-    if stages is None:
-        passes, sequences = local_batch // t.micro_batch_size, t.micro_batch_size
-    else:
-        passes = microbatches(cfg)
-        sequences = local_batch // passes
-    tokens = sequences * t.seq_len
+    passes = local_batch // t.micro_batch_size if stages is None else microbatches(cfg)
+    tokens = local_batch // passes * t.seq_len
     reduce = 2 if cfg.training.mixed_precision_reduce == "bfloat16" else 4
     gather = e if cfg.training.mixed_precision_mode == "param" else 4
     out: Counter = Counter()
     blocks = [u for u in grouped if u != "root"]
     if p.dp_shard > 1:
         sizes = {u: gathered_elements(grouped[u], layout) for u in grouped}
-        # Every micro-batch gathers every unit in forward; blocks resharded after forward (all but
-        # the last) are gathered again in backward. Gradients are reduce-scattered once, after
-        # the last micro-batch.
-        # A pipeline stage keeps its units gathered for the whole step: one gather each.
+        # Every micro-batch gathers every unit in forward and, for blocks resharded after forward
+        # (all but the last), again in backward; a pipeline stage keeps its units gathered for
+        # the whole step: one gather each. Gradients are reduce-scattered once, after the last
+        # micro-batch.
         if stages is None:
-            out["all_gather", "dp_shard"] += passes * gather * (sum(sizes.values()) + sum(sizes[u] for u in blocks[:-1]))
+            out["forward", "all_gather", "dp_shard"] += passes * gather * sum(sizes.values())
+            out["backward", "all_gather", "dp_shard"] += passes * gather * sum(sizes[u] for u in blocks[:-1])
         else:
-            out["all_gather", "dp_shard"] += gather * sum(sizes.values())
-        out["reduce_scatter", "dp_shard"] += reduce * sum(sizes.values())
-    if p.dp_replicate > 1:
-        out["all_reduce", "dp_replicate"] += reduce * sum(math.ceil(r / p.dp_shard) * c for n, s in params.items()
-                                          for r, c in [local_rows_cols(n, s, layout)])
+            out["forward", "all_gather", "dp_shard"] += gather * sum(sizes.values())
+        out["backward", "reduce_scatter", "dp_shard"] += reduce * sum(sizes.values())
+    if p.dp_replicate > 1:  # the shard's gradients, all-reduced over the replicas
+        out["backward", "all_reduce", "dp_replicate"] += reduce * sum(
+            math.ceil(rows / p.dp_shard) * cols for rows, cols in (local_rows_cols(n, s, layout) for n, s in params.items()))
     if p.tp > 1:
         # Sequence parallelism, per micro-batch: each block gathers its input twice (attention,
         # FFN) and reduce-scatters twice (wo, w2) in forward, the reverse in backward; the
-        # embedding's output is scattered (its gradient gathered), the output layer's input gathered
-        # (its gradient scattered). Loss parallelism
-        # all-reduces three per-token fp32 values per micro-batch; the norm weights' gradients,
-        # partial sums on each rank's sequence shard, are all-reduced once per step.
-        n_blocks = len(blocks)
+        # embedding's output is scattered (its gradient gathered), the output layer's input
+        # gathered (its gradient scattered). A checkpointed block's recompute gathers its two
+        # inputs again and reduce-scatters the attention output the FFN's input needs (it stops
+        # before the FFN's own reduce-scatter).
         first, last = "tok_embeddings.weight" in params, "output.weight" in params
         activation = tokens * args.dim * e
-        each = (4 * n_blocks + first + last) * activation  # forward and backward together
-        # A checkpointed block's recompute gathers its two inputs again and reduce-scatters the
-        # attention output the FFN's input needs (it stops before the FFN's own reduce-scatter).
         ac = cfg.activation_checkpoint
         recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))
-        out["all_gather", "tp"] += passes * (each + 2 * recomputed * activation)
-        out["reduce_scatter", "tp"] += passes * (each + recomputed * activation)
-        norms = 2 * n_blocks + last
-        # Over several micro-batches FSDP2 accumulates unsharded gradients in the reduce dtype.
-        out["all_reduce", "tp"] += norms * args.dim * (e if passes == 1 else reduce) + passes * last * 3 * tokens * 4
+        gathers, scatters = 2 * len(blocks) + last, 2 * len(blocks) + first  # in forward
+        out["forward", "all_gather", "tp"] += passes * gathers * activation
+        out["forward", "reduce_scatter", "tp"] += passes * scatters * activation
+        out["backward", "all_gather", "tp"] += passes * (scatters + 2 * recomputed) * activation
+        out["backward", "reduce_scatter", "tp"] += passes * (gathers + recomputed) * activation
+        # Loss parallelism all-reduces three per-token fp32 values per micro-batch. The norm
+        # weights' gradients, partial sums over each rank's sequence shard, are all-reduced once
+        # per step, in the reduce dtype when FSDP2 accumulated them over several micro-batches.
+        out["forward", "all_reduce", "tp"] += passes * last * 3 * tokens * 4
+        norms = 2 * len(blocks) + last
+        out["backward", "all_reduce", "tp"] += norms * args.dim * (e if passes == 1 else reduce)
     if p.pp > 1:
-        # A stage sends its output forward and receives its gradient back, per micro-batch
-        # (the sequence shard under TP with SP); the next stage the reverse. Neighbouring
-        # stages on one rank (the bottom of zbv's V) hand over without communicating.
+        # Per micro-batch a stage receives its input from the previous stage and sends its
+        # output to the next in forward, and the reverse with gradients in backward (the sequence
+        # shard under TP with SP). Neighbouring stages on one rank (zbv's V) need no transfer.
         ranks = {s: r for r in range(p.pp) for s in rank_stages(cfg, r)}
-        hops = sum(ranks.get(s + step, ranks[s]) != ranks[s] for s in stages for step in (-1, 1))
-        out["send", "pp"] += passes * hops * tokens * args.dim // p.tp * e
-        out["recv", "pp"] += passes * hops * tokens * args.dim // p.tp * e
+        hop = passes * tokens * args.dim // p.tp * e
+        for stage in stages:
+            if ranks.get(stage + 1, ranks[stage]) != ranks[stage]:
+                out["forward", "send", "pp"] += hop
+                out["backward", "recv", "pp"] += hop
+            if ranks.get(stage - 1, ranks[stage]) != ranks[stage]:
+                out["forward", "recv", "pp"] += hop
+                out["backward", "send", "pp"] += hop
     # The loss is summed over dp (and over pp from the last stage): one float32 each. The
     # gradient norm's per-parameter fp64 squares are summed over each dimension that shards
-    # them (dp_shard, tp), and the stage sums over pp.
-    out["all_reduce", "scalars"] += 4 * (1 + (p.pp > 1)) + 8 * len(params) * ((p.dp_shard > 1) + (p.tp > 1)) + 8 * (p.pp > 1)
+    # them (dp_shard, tp), and the stages' sums over pp.
+    sharded_by = (p.dp_shard > 1) + (p.tp > 1)
+    out["step", "all_reduce", "scalars"] += 4 * (1 + (p.pp > 1)) + 8 * len(params) * sharded_by + 8 * (p.pp > 1)
     return out
 
 
@@ -137,7 +139,7 @@ def step_seconds(args: ModelArgs, cfg: JobConfig, world: int, comm: Counter, hw:
     compute = flops * (1 + recompute) / (hw.peak_tflops * 1e12)
     if p.pp > 1:
         compute *= 1 + (p.pp - 1) / (microbatches(cfg) * stages_per_rank(cfg))
-    times = {(kind, dim): link_seconds(kind, dim, n, cfg, hw) for (kind, dim), n in comm.items()}
-    critical = sum(s for (_, dim), s in times.items() if dim in ("tp", "pp"))
-    overlapped = sum(s for (_, dim), s in times.items() if dim not in ("tp", "pp"))
+    times = [(dim, link_seconds(kind, dim, n, cfg, hw)) for (_, kind, dim), n in comm.items()]
+    critical = sum(s for dim, s in times if dim in ("tp", "pp"))
+    overlapped = sum(s for dim, s in times if dim not in ("tp", "pp"))
     return compute + critical + max(0.0, overlapped - compute)
