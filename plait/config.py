@@ -99,7 +99,7 @@ class Parallelism:
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
-    """none: keep every block's activations; full: keep each block's input, recompute the block in backward; selective: keep matmul, attention and TP-collective outputs, recompute the rest"""
+    """none: keep every block's activations; full: keep each block's input, recompute the block in backward; selective: keep matmul, attention and TP-reduction outputs, recompute the rest"""
     every: int = 1
     """with full/selective: checkpoint blocks 0, N, 2N, ... only (1 = every block)"""
 
