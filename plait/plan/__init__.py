@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import tyro
@@ -31,7 +32,7 @@ import tyro
 from plait.config import ConfigError, JobConfig, parse_args, validate
 from plait.hardware import GPU_PEAK_TFLOPS
 from plait.model import ModelArgs
-from plait.plan.comm import Hardware, collectives, comm_bytes, step_seconds
+from plait.plan.comm import Hardware, collectives, step_seconds
 from plait.plan.memory import Layout, activation_bytes, buffer_bytes, rank_parameters, rank_stages, state_bytes
 
 AC_MODES = ("none", "selective", "full")
@@ -73,6 +74,8 @@ class Row:
 def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float,
             hw: Hardware) -> tuple[list[Row], dict[str, str]]:
     """Rows for every runnable layout x AC mode, sorted best first; and why each other layout cannot run."""
+    from plait.parallel.pipeline import microbatches
+
     e = 2 if base.training.mixed_precision_param in ("auto", "bfloat16") else 4
     rows, refused = [], {}
     for layout in layouts(world):
@@ -88,26 +91,22 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float,
                 stages = rank_stages(cfg, pp_rank)
                 params = rank_parameters(args, cfg, stages)
                 comm = collectives(args, cfg, stages, e)
-                pipeline_split = 1 if stages is None else _microbatches(cfg)
+                pipeline_split = 1 if stages is None else microbatches(cfg)
                 tokens = cfg.training.seq_len * cfg.training.micro_batch_size // pipeline_split
                 state = state_bytes(params, layout) / GIB
                 activations = activation_bytes(args, cfg, stages, e) / GIB
                 buffers = buffer_bytes(args, cfg, params, e, tokens) / GIB
                 total = state + activations + buffers
                 if best is None or total > best.total_gib:
-                    by_collective = {f"{phase} {kind}": n for (phase, kind), n in comm_bytes(args, cfg, stages, e).items()}
-                    best = Row(str(layout), ac, state, activations, buffers, total, sum(comm.values()), by_collective,
+                    by_collective = Counter()
+                    for (phase, kind, _), n in comm.items():
+                        by_collective[f"{phase} {kind}"] += n
+                    best = Row(str(layout), ac, state, activations, buffers, total, sum(comm.values()), dict(by_collective),
                                total <= memory_gib, step_seconds(args, cfg, world, comm, hw))
             rows.append(best)
     # Ties (a communication-bound step hides recompute) go to the layout that recomputes least.
     rows.sort(key=lambda r: (not r.fits, r.step_seconds, AC_MODES.index(r.activation_checkpoint), r.total_gib))
     return rows, refused
-
-
-def _microbatches(cfg: JobConfig) -> int:
-    from plait.parallel.pipeline import microbatches
-
-    return microbatches(cfg)
 
 
 def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
