@@ -12,7 +12,6 @@ Nothing here unpickles user data: tensors go through DCP, everything else is JSO
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import re
@@ -21,7 +20,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -95,12 +93,12 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
     return manifest
 
 
-def job_identity(cfg: JobConfig, args: ModelArgs, tokens: np.ndarray) -> dict:
+def job_identity(cfg: JobConfig, args: ModelArgs, tokens_sha256: str) -> dict:
     """What makes two runs one job, whose checkpoints they may share: the model, the token stream
     (corpus and tokenizer, by content), the seed and the batch shape. Layout, steps, lr and the
     like may change between restarts of one job."""
     t = cfg.training
-    return {"model_args": asdict(args), "tokens_sha256": hashlib.sha256(np.ascontiguousarray(tokens)).hexdigest()[:16],
+    return {"model_args": asdict(args), "tokens_sha256": tokens_sha256[:16],
             "training.seed": t.seed, "training.global_batch_size": t.global_batch_size, "training.seq_len": t.seq_len}
 
 

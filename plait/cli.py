@@ -13,10 +13,11 @@ import tyro
 
 from plait.config import ConfigError, parse_args, validate
 
-USAGE = """usage: plait {train,seed-checkpoint,export,bench,compare,trace,plan} [options]
+USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,bench,compare,trace,plan} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
+  tokenize         tokenize a corpus once into a folder to train from: plait tokenize --data.path SRC --out DIR
   seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
   bench            measure layouts x precisions side by side (plait bench --help)
@@ -58,6 +59,12 @@ def launch_local(argv: list[str], nproc: int) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "plait", "train", *worker_argv]
     return subprocess.run(command).returncode
+
+
+def tokenize(argv: list[str]) -> int:
+    from plait.data.tokenize import main as tokenize_main
+
+    return tokenize_main(argv)
 
 
 def bench(argv: list[str]) -> int:
@@ -131,7 +138,7 @@ def export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "seed-checkpoint": seed_checkpoint, "export": export, "bench": bench, "compare": compare,
+COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export, "bench": bench, "compare": compare,
             "trace": trace, "plan": plan}
 
 

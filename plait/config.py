@@ -9,6 +9,7 @@ no process group (choices, degrees, batch arithmetic, files) runs on every rank 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -65,6 +66,10 @@ class Training:
     """dtype gradients travel and are reduced in"""
     mixed_precision_mode: Literal["param", "autocast"] = "param"
     """param: parameters cast at module boundaries (FSDP2 policy); autocast: op-level torch.autocast in forward"""
+    eval_interval: int = 0
+    """measure the validation loss (data.val_path) every N steps and at the last step; 0 = never"""
+    eval_steps: int = 4
+    """validation batches of global_batch_size sequences per evaluation: the same sequences every time"""
 
 
 @dataclass
@@ -107,7 +112,13 @@ class ActivationCheckpoint:
 @dataclass
 class Data:
     path: str = ""
-    """a .txt/.jsonl/.parquet file, a folder of them, or a Hugging Face `datasets` folder; empty = bundled corpus"""
+    """a folder made by `plait tokenize`, or raw text: a .txt/.jsonl/.parquet file, a folder of them, or a Hugging
+    Face `datasets` folder (tokenized into the cache at first use); empty = bundled corpus"""
+    mix: str = ""
+    """instead of data.path, several sources with weights: "PATH:WEIGHT,PATH:WEIGHT" (e.g. "web:0.7,code:0.3");
+    each sequence of a step draws its source from the weights, seeded by (training.seed, step)"""
+    val_path: str = ""
+    """validation data (a tokenized folder or raw text, the training tokenizer's), for training.eval_interval"""
     tokenizer: str = ""
     """a tokenizer.json (e.g. Llama 3's); empty = a BPE trained once on the corpus and cached"""
     vocab_size: int = 4096
@@ -326,10 +337,19 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         check_pipeline(cfg)
     if cfg.metrics.log_interval < 1 or cfg.comm.timeout_seconds < 1:
         raise ConfigError("metrics.log_interval and comm.timeout_seconds: must be >= 1")
-    for name in ("path", "tokenizer"):
+    for name in ("path", "tokenizer", "val_path"):
         value = getattr(cfg.data, name)
         if value and not Path(value).exists():
             raise ConfigError(f"data.{name}: {value!r} does not exist")
+    if cfg.data.mix:
+        if cfg.data.path:
+            raise ConfigError("data.mix: give data.path or data.mix, not both")
+        mix_sources(cfg.data.mix)
+    if t.eval_interval < 0 or t.eval_steps < 1:
+        raise ConfigError(f"training.eval_interval must be >= 0 and eval_steps >= 1, got {t.eval_interval}, "
+                          f"{t.eval_steps}")
+    if t.eval_interval and not cfg.data.val_path:
+        raise ConfigError("training.eval_interval: set data.val_path too (what should the validation loss be measured on?)")
     c = cfg.checkpoint
     if c.interval < 0 or c.keep_latest_k < 0:
         raise ConfigError("checkpoint.interval and checkpoint.keep_latest_k: must be >= 0")
@@ -349,6 +369,26 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(f"profiling.steps: profiling {prof.steps} steps from step {prof.start_step or 2} "
                           f"needs training.steps >= {last_profiled}, got {t.steps}")
     return cfg
+
+
+def mix_sources(spec: str) -> list[tuple[str, float]]:
+    """data.mix "PATH:WEIGHT,PATH:WEIGHT" -> [(path, weight)]; weights >= 0 with a positive sum."""
+    sources = []
+    for part in spec.split(","):
+        path, _, weight = part.strip().rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not path or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"data.mix: {part.strip()!r} is not PATH:WEIGHT with a finite weight >= 0 "
+                              '(e.g. data.mix = "web:0.7,code:0.3")')
+        if not Path(path).exists():
+            raise ConfigError(f"data.mix: {path!r} does not exist")
+        sources.append((path, value))
+    if sum(w for _, w in sources) <= 0:
+        raise ConfigError(f"data.mix: the weights of {spec!r} sum to 0; at least one must be > 0")
+    return sources
 
 
 def grad_accumulation_steps(cfg: JobConfig) -> int:

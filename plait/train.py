@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from plait import hf, parallel
 from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
 from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
-from plait.data import BatchLoader, tokenize_corpus
+from plait.data import BatchLoader, eval_batches, open_data
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
 from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, model_args, num_params
@@ -126,6 +126,31 @@ def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts) -
     return loss_sum
 
 
+def evaluate(model: torch.nn.Module, pipeline: Pipeline | None, batches: list, contexts: TrainContexts,
+             dp_group) -> float:
+    """The mean loss over the validation micro-batches of every dp rank, forward only.
+
+    The micro-batch losses are gathered and summed exactly (math.fsum: no rounding until the
+    end, so no summation order), so every layout that computes the same micro-batch losses
+    reports the same number to the bit."""
+    with torch.no_grad():
+        if pipeline:  # one local batch per validation step, as in training
+            losses = [pipeline.step(inputs, labels, forward_only=True) for inputs, labels in batches]
+            for loss in losses:
+                dist.all_reduce(loss, group=pipeline.group)  # from the last stage to every rank
+        else:
+            losses = []
+            for inputs, labels in batches:
+                with contexts.forward():
+                    loss = cross_entropy(model(inputs), labels)
+                losses.append(loss.to_local() if isinstance(loss, DTensor) else loss)
+    local = torch.stack(losses).float()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
+    dist.all_gather(gathered, local, group=dp_group)
+    values = torch.cat(gathered).tolist()
+    return math.fsum(values) / len(values)
+
+
 def save_probe(probe: DtypeProbe, path: str, every_rank: bool) -> None:
     """Rank 0 writes the probe's records, each with its rank: its own, or with `every_rank`
     (pipeline stages run different parts of the model) every rank's."""
@@ -160,21 +185,21 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    tokens, tokenizer = tokenize_corpus(cfg.data)
+    corpus = open_data(cfg.data)
     try:
-        args = model_args(cfg.model.flavor, tokenizer.get_vocab_size(), cfg.model.n_layers)
+        args = model_args(cfg.model.flavor, corpus.tokenizer.get_vocab_size(), cfg.model.n_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
     check_divisibility(args, cfg)
-    identity = job_identity(cfg, args, tokens)
+    identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)
 
     device = pick_device(cfg.training.device)
     init_distributed(cfg, device)
     try:
-        return _train(cfg, args, tokens, identity, device)
+        return _train(cfg, args, corpus, identity, device)
     finally:
         # A barrier before tearing down avoids gloo aborting at exit while a peer still talks.
         if dist.is_initialized():
@@ -182,12 +207,13 @@ def run(cfg: JobConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -> list[dict]:
+def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -> list[dict]:
     t = cfg.training
     rank = dist.get_rank()
     mesh, dp_mesh = parallel.build_mesh(cfg, device.type)
-    loader = BatchLoader(tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                         dp_mesh.get_local_rank(), dp_mesh.size(), t.seed)
+    shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
+    loader = BatchLoader(corpus.sources, corpus.weights, *shape, t.seed)
+    val_batches = eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None
 
     precision = resolve(cfg)
     pp = cfg.parallelism.pp > 1  # the pipeline enters loss parallelism around its whole schedule
@@ -211,7 +237,7 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
         with torch.device("meta"):
             whole = Transformer(args)
         print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor}: {num_params(whole) / 1e6:.1f}M params, "
-              f"vocab {args.vocab_size} | {loader.num_sequences} sequences of {t.seq_len} tokens | "
+              f"vocab {args.vocab_size} | {'+'.join(map(str, loader.num_sequences))} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
               f"{peak}\nplait: {precision.describe()}" + (f"\nplait: {pipeline.summary}" if pipeline else ""), flush=True)
         if precision.emulated:
@@ -247,6 +273,10 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
                         state_gib = state_memory_gib(model, optimizer)
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            if val_batches and (step % t.eval_interval == 0 or step == t.steps):
+                val_loss = evaluate(model, pipeline, val_batches, contexts, dp_mesh.get_group())
+            else:
+                val_loss = None
             if isinstance(probe, DtypeProbe):
                 save_probe(probe, cfg.debug.dtype_probe, every_rank=pipeline is not None)
             if device.type == "cuda":
@@ -257,6 +287,8 @@ def _train(cfg: JobConfig, args, tokens, identity: dict, device: torch.device) -
                 row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                        "tokens_per_sec": tokens_per_sec, "mfu": utilisation.mfu(step, tokens_per_sec),
                        "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
+                if val_loss is not None:
+                    row["val_loss"] = val_loss
                 logger.log(row)
                 rows.append(row)
             checkpointer.maybe_save(step)

@@ -204,15 +204,20 @@ class Pipeline:
                         f"{' | '.join(f'{r.start}-{r.stop - 1}' for r in ranges)} (this rank: stages {indices}), "
                         f"{m} micro-batches of {cfg.training.micro_batch_size // m} sequences per step")
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one local batch in micro-batches: the sum of its micro-batch
-        losses (each divided by m, so the batch's mean loss) on the last stage's ranks, else 0."""
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
+        """Forward and backward (or with `forward_only` forward alone) of one local batch in
+        micro-batches: the sum of its micro-batch losses (each divided by m, so the batch's mean
+        loss) on the last stage's ranks, else 0."""
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {}
         # Loss parallelism around the whole step: at the first step the stages also run forward
         # and backward for shape inference, outside the chunk methods that enter the phases.
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
-            self.schedule.step(*([inputs] if self.has_first else []), **kwargs)
+            if forward_only:
+                with torch.no_grad():
+                    self.schedule.eval(*([inputs] if self.has_first else []), **kwargs)
+            else:
+                self.schedule.step(*([inputs] if self.has_first else []), **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += loss.detach()

@@ -24,7 +24,7 @@ import torch
 import tyro
 
 from plait.config import Data, Flavor, Training
-from plait.data import tokenize_corpus
+from plait.data import build_tokenizer
 from plait.hardware import linear_shapes, peak_flops
 from plait.metrics import Utilisation, peak_memory_gib, state_memory_gib
 from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, model_args
@@ -48,7 +48,7 @@ def train(cfg: BaselineConfig) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The vocabulary of plait's default tokenizer (the bench's rows use the default data), so the
     # embedding and output layer have plait's shapes; the tokens themselves are random.
-    _, tokenizer = tokenize_corpus(Data())
+    tokenizer = build_tokenizer(Data())
     args = model_args(cfg.flavor, tokenizer.get_vocab_size())
     with torch.device(device):
         model = Transformer(args)

@@ -28,7 +28,7 @@ import torch
 import tyro
 
 from plait.config import ConfigError, Data, Flavor
-from plait.data import tokenize_corpus
+from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.model import linear_weight_shapes, model_args
 from plait.proof.trace import idle_fractions, summarise
@@ -154,7 +154,7 @@ def hardware(cfg: BenchConfig, flavor: str) -> dict:
     native, why = native_bf16(device)
     threads = cfg.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    args = model_args(flavor, tokenize_corpus(Data())[1].get_vocab_size())
+    args = model_args(flavor, build_tokenizer(Data()).get_vocab_size())
     shapes = linear_shapes(linear_weight_shapes(args), cfg.global_batch_size * cfg.seq_len)
     dtypes = DTYPES if native or cfg.emulated_bf16 == "run" else DTYPES[:1]
     return {"device": device_name(device), "native_bf16": native, "why": why, "threads": threads, "dtypes": dtypes,

@@ -1,0 +1,121 @@
+"""Raw documents: .txt/.jsonl/.parquet files, folders of them, Hugging Face `datasets` folders.
+
+Documents stream one at a time, each with the bytes of its source it used up, so `plait tokenize`
+can show progress through a corpus larger than memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from plait.config import ConfigError
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
+
+
+def iter_documents(path: str, text_field: str = "text") -> Iterator[tuple[str, int]]:
+    """(text, source bytes read for it) for each document of `path`, in a fixed order;
+    "" is the CPython documentation that ships with every Python."""
+    if not path:
+        from pydoc_data.topics import topics
+        for key in sorted(topics):  # sorted: dict order is not a contract
+            yield topics[key], len(topics[key])
+        return
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"data.path: {path!r} does not exist")
+    if p.is_dir() and any((p / marker).exists() for marker in DATASETS_MARKERS):
+        yield from ((text, 0) for text in _datasets_texts(p, text_field))
+    elif p.is_dir():
+        files = source_files(p)
+        if not files:
+            raise ConfigError(f"data.path: folder {path!r} holds no {'/'.join(SUFFIXES)} files")
+        for f in files:
+            yield from _file_documents(f, text_field)
+    else:
+        yield from _file_documents(p, text_field)
+
+
+def source_files(p: Path) -> list[Path]:
+    return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES) if p.is_dir() else [p]
+
+
+def source_bytes(path: str) -> int:
+    """The size of what iter_documents reads (0 where unknown), for a progress bar's total."""
+    if not path:
+        from pydoc_data.topics import topics
+        return sum(map(len, topics.values()))
+    return sum(f.stat().st_size for f in source_files(Path(path)))
+
+
+def load_texts(path: str, text_field: str = "text") -> list[str]:
+    """Every document of `path` in memory: for small corpora (the bundled one, tests)."""
+    texts = [text for text, _ in iter_documents(path, text_field)]
+    if not any(texts):
+        raise ConfigError(f"data.path: {path!r} holds no text")
+    return texts
+
+
+def _file_documents(f: Path, field: str) -> Iterator[tuple[str, int]]:
+    if f.suffix == ".txt":
+        yield f.read_text(encoding="utf-8", errors="replace"), f.stat().st_size
+    elif f.suffix == ".jsonl":
+        with open(f, "rb") as lines:  # bytes: each line's length is the progress it makes
+            pending = 0
+            for n, line in enumerate(lines, 1):
+                pending += len(line)
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:  # not JSON, or not UTF-8
+                    raise ConfigError(f"data.path: {f}:{n} is not valid JSON: {e}") from None
+                if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                    raise ConfigError(f"data.text_field: {f}:{n} has no string field {field!r}")
+                yield row[field], pending
+                pending = 0
+    elif f.suffix == ".parquet":
+        pq = _require("pyarrow.parquet", "pyarrow", f"reading {f}")
+        columns = pq.read_schema(f).names
+        if field not in columns:
+            raise ConfigError(f"data.text_field: {f} has no column {field!r}; columns: {columns}")
+        parquet = pq.ParquetFile(f)
+        per_row = f.stat().st_size // max(1, parquet.metadata.num_rows)
+        for batch in parquet.iter_batches(columns=[field]):
+            yield from ((t, per_row) for t in batch.column(0).to_pylist() if t is not None)
+    else:
+        raise ConfigError(f"data.path: {str(f)!r} has an unsupported extension; allowed: "
+                          f"{', '.join(SUFFIXES)}, a folder of them, or a Hugging Face datasets folder")
+
+
+def _datasets_texts(p: Path, field: str) -> Iterable[str]:
+    datasets = _require("datasets", "datasets", f"{p} is a Hugging Face datasets folder; reading it")
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    if field not in ds.column_names:
+        raise ConfigError(f"data.text_field: {p} has no column {field!r}; columns: {ds.column_names}")
+    return (t for t in ds[field] if t is not None)
+
+
+def _require(module: str, package: str, what: str):
+    # optional dependencies: only the inputs that need them pay for them
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"data.path: {what} needs `{package}`: pip install 'plait[data]'") from None
+
+
+def fingerprint(texts: Iterable[str]) -> str:
+    """sha256 of the documents, boundaries included: ["ab", "c"] != ["a", "bc"]."""
+    h = hashlib.sha256()
+    for text in texts:
+        b = text.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()

@@ -1,0 +1,133 @@
+"""Batches: packed sequences in an order that depends only on (seed, step), never on the layout.
+
+Each source's token stream is cut into sequences of seq_len + 1 tokens (the last label needs one
+more); its sequences are read in an endless series of epochs, each a fresh pseudo-random
+permutation. The permutation is a keyed bijection computed per position (a Feistel network), so
+it takes no memory however large the corpus.
+
+Step k fills global-batch positions [0, G): with one source, position i is that source's
+sequence k*G + i; with a mixture, each position draws its source from the weights, seeded by
+(seed, step), and takes that source's next sequence. Data-parallel rank r takes the contiguous
+share r of the G positions, cut into micro-batches, so any dp degree and micro-batch size trains
+on the same data per step. The loader's state (step, sequences used per source) is JSON in the
+checkpoint, and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from plait.config import ConfigError
+
+ROUNDS = 6
+_MIX = 0x6D6978  # separates the mixture's random stream from the permutations'
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    # splitmix64's finaliser: every input bit flips each output bit with probability ~1/2
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(positions: np.ndarray, n: int, key: list[int]) -> np.ndarray:
+    """A pseudo-random bijection of [0, n) keyed by `key`, applied to `positions`: a balanced
+    Feistel network on the smallest power of 4 >= n, repeated while a value falls outside
+    [0, n) (cycle walking: the result stays a bijection of [0, n))."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = np.random.default_rng(key).integers(0, 1 << 63, ROUNDS, dtype=np.uint64)
+    out = np.asarray(positions, dtype=np.uint64).copy()
+    todo = np.ones(len(out), dtype=bool)
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+        while todo.any():
+            left, right = out[todo] >> np.uint64(half), out[todo] & mask
+            for k in keys:
+                left, right = right, left ^ (_mix64(right ^ k) & mask)
+            out[todo] = (left << np.uint64(half)) | right
+            todo = out >= n
+    return out.astype(np.int64)
+
+
+class BatchLoader:
+    def __init__(self, sources: list, weights: list[float], seq_len: int, global_batch_size: int,
+                 micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        self.sources, self.seq_len, self.seed = sources, seq_len, seed
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        option = "data.mix" if len(sources) > 1 else "data.path"
+        for source, n in zip(sources, self.num_sequences):
+            if n < global_batch_size:
+                raise ConfigError(
+                    f"{option}: {getattr(source, 'path', 'the corpus')} has {len(source)} tokens = {n} sequences of "
+                    f"training.seq_len={seq_len}, fewer than training.global_batch_size={global_batch_size}")
+        self.weights = [w / sum(weights) for w in weights]
+        self.share = global_batch_size // dp_size
+        if global_batch_size % dp_size or self.share % micro_batch_size:
+            raise ConfigError(f"training.global_batch_size: {global_batch_size} must be a multiple of "
+                              f"micro_batch_size ({micro_batch_size}) x dp degree ({dp_size})")
+        self.first = dp_rank * self.share  # this rank's offset inside a step
+        self.step = 0
+        self.used = [0] * len(sources)  # sequences each source has given so far
+
+    @property
+    def num_sequences(self) -> list[int]:
+        return [(len(source) - 1) // self.seq_len for source in self.sources]
+
+    def assignment(self, step: int) -> np.ndarray:
+        """The source of each of step's G positions: the same on every rank and in every layout."""
+        if len(self.sources) == 1:
+            return np.zeros(self.global_batch_size, dtype=np.int64)
+        draws = np.random.default_rng([self.seed, _MIX, step]).random(self.global_batch_size)
+        return np.minimum(np.searchsorted(np.cumsum(self.weights), draws, side="right"), len(self.sources) - 1)
+
+    def next_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, labels) int64 [micro_batch_size, seq_len] per micro-batch of this rank's next step."""
+        source_of = self.assignment(self.step)
+        index = np.empty(self.global_batch_size, dtype=np.int64)  # each position's sequence count in its source
+        for s in range(len(self.sources)):
+            mine = source_of == s
+            index[mine] = self.used[s] + np.arange(mine.sum())
+            self.used[s] += int(mine.sum())
+        share = slice(self.first, self.first + self.share)
+        rows = [None] * self.share
+        for s, (source, n) in enumerate(zip(self.sources, self.num_sequences)):
+            for epoch in np.unique(index[share][source_of[share] == s] // n).tolist():
+                where = np.flatnonzero((source_of[share] == s) & (index[share] // n == epoch))
+                sequences = permute(index[share][where] % n, n, [self.seed, s, epoch])
+                for i, sequence in zip(where, sequences):
+                    rows[i] = source.read(int(sequence) * self.seq_len, self.seq_len + 1)
+        self.step += 1
+        seqs = torch.from_numpy(np.stack(rows))
+        return [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in seqs.split(self.micro_batch_size)]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "used": list(self.used), "seq_len": self.seq_len,
+                "global_batch_size": self.global_batch_size, "seed": self.seed,
+                "num_sequences": self.num_sequences, "weights": self.weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        options = {"seq_len": "training.seq_len", "global_batch_size": "training.global_batch_size",
+                   "seed": "training.seed", "num_sequences": "data.path", "weights": "data.mix"}
+        mine = self.state_dict()
+        for key, option in options.items():
+            if state.get(key) != mine[key]:
+                raise ConfigError(f"{option}: the checkpoint's data loader has {key}={state.get(key)} but this run "
+                                  f"has {mine[key]}; resuming would not continue the same data order")
+        self.step, self.used = int(state["step"]), [int(u) for u in state["used"]]
+
+
+def eval_batches(source, seq_len: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 steps: int, option: str = "data.val_path") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of the validation set: the source's first steps x G sequences in
+    order, step by step, each step split among dp ranks as training splits a step."""
+    available = (len(source) - 1) // seq_len
+    if available < steps * global_batch_size:
+        raise ConfigError(f"{option}: {getattr(source, 'path', 'the validation set')} has {available} sequences of "
+                          f"training.seq_len={seq_len}, fewer than training.eval_steps x global_batch_size = "
+                          f"{steps * global_batch_size}")
+    share = global_batch_size // dp_size
+    rows = [source.read((step * global_batch_size + dp_rank * share + i) * seq_len, seq_len + 1)
+            for step in range(steps) for i in range(share)]
+    seqs = torch.from_numpy(np.stack(rows))
+    return [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in seqs.split(micro_batch_size)]

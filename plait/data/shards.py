@@ -1,0 +1,235 @@
+"""Tokenized folders: a corpus tokenized once, read through memory maps.
+
+A folder holds `shard-NNNNN.bin` files (the raw token ids, uint16 when the vocabulary fits,
+else uint32, each document followed by EOS, as nanoGPT's and Megatron's .bin files), the
+`tokenizer.json` that made them and `manifest.json`: the tokenizer's hash, the token count,
+source hash and token hash of every shard, EOS id. Shards are cut at document boundaries
+after a fixed amount of text, so the shards (and every byte in them) do not depend on how
+many processes tokenized them. A shard is renamed into place when complete and recorded in a
+`shard-NNNNN.json` beside it; the manifest is written last, so a folder without one is an
+unfinished tokenize, which a rerun finishes, never a corpus.
+
+Opening a folder reads the manifest and stats the shards; tokens are read only where a batch
+needs them, so start-up time and memory do not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from plait.config import ConfigError
+from plait.data.documents import fingerprint
+from plait.data.tokenizer import eos_id, sha256
+
+FORMAT = "plait-tokens/1"
+MANIFEST = "manifest.json"
+PARTIAL = "partial.json"  # the settings of a tokenize in progress
+TOKENIZER = "tokenizer.json"
+SHARD = re.compile(r"shard-(\d{5})\.(bin|json)$")
+
+
+def is_tokenized(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and ((p / MANIFEST).exists() or (p / PARTIAL).exists())
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# writing
+
+def write_folder(documents: Iterable[tuple[str, int]], tokenizer: Tokenizer, out: Path, source: str,
+                 workers: int = 0, shard_chars: int = 64_000_000, progress=None) -> dict:
+    """Tokenize `documents` ((text, source bytes) pairs) into `out`; returns the manifest.
+    `workers` processes encode shards in parallel (0: this process). Shards already in `out` from
+    an interrupted or earlier run are kept where their source text is unchanged."""
+    settings = {"format": FORMAT, "tokenizer_sha256": sha256(tokenizer), "shard_chars": shard_chars}
+    done = _finished_shards(out, settings)
+    _write_json(out / PARTIAL, settings)
+    tokenizer.save(str(out / TOKENIZER))
+    dtype = "uint16" if tokenizer.get_vocab_size() <= 1 << 16 else "uint32"
+    eos = eos_id(tokenizer)
+    entries: list[dict] = []
+    pending: collections.deque = collections.deque()
+
+    def settle(item) -> None:
+        k, result, source_bytes = item
+        entry = result.result() if isinstance(result, Future) else result
+        _write_json(out / f"shard-{k:05d}.json", entry)
+        entries.append(entry)
+        if progress is not None:
+            progress.update(source_bytes)
+            documents, tokens = sum(e["documents"] for e in entries), sum(e["tokens"] for e in entries)
+            rate = tokens / max(progress.format_dict["elapsed"], 1e-9)
+            progress.set_postfix_str(f"{documents:,} documents, {tokens:,} tokens, {rate:,.0f} tokens/s")
+
+    pool = ProcessPoolExecutor(workers, get_context("spawn"), _start_worker, (tokenizer.to_str(),)) if workers else None
+    try:
+        for k, texts, source_bytes in _chunks(documents, shard_chars):
+            source_sha, old = fingerprint(texts), done.get(k)
+            if old and old["source_sha256"] == source_sha and _size_ok(out / old["file"], old, dtype):
+                result = old
+            elif pool:
+                result = pool.submit(_encode_shard, None, eos, dtype, out, k, texts, source_sha)
+            else:
+                result = _encode_shard(tokenizer, eos, dtype, out, k, texts, source_sha)
+            pending.append((k, result, source_bytes))
+            while len(pending) > 2 * workers:  # bounded: the corpus never sits in memory
+                settle(pending.popleft())
+        while pending:
+            settle(pending.popleft())
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
+    if not sum(e["tokens"] for e in entries):
+        raise ConfigError(f"data.path: {source!r} holds no text")
+    for stale in out.iterdir():  # shards of a longer earlier source, sidecars, temporary files
+        match = SHARD.match(stale.name)
+        if stale.name.endswith(".tmp") or (match and (match.group(2) == "json" or int(match.group(1)) >= len(entries))):
+            stale.unlink()
+    whole = hashlib.sha256("".join(e["tokens_sha256"] for e in entries).encode()).hexdigest()
+    manifest = {**settings, "source": source, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos, "dtype": dtype,
+                "documents": sum(e["documents"] for e in entries), "tokens": sum(e["tokens"] for e in entries),
+                "tokens_sha256": whole, "shards": entries}
+    _write_json(out / MANIFEST, manifest)
+    (out / PARTIAL).unlink()
+    return manifest
+
+
+def _finished_shards(out: Path, settings: dict) -> dict[int, dict]:
+    """Shards an earlier run of the same settings left in `out`, by index."""
+    if out.exists() and any(out.iterdir()) and not is_tokenized(out):
+        raise ConfigError(f"out: {out} is not empty and not a tokenized folder; choose an empty or new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    done: dict[int, dict] = {}
+    for path in (out / MANIFEST, out / PARTIAL):
+        earlier = _read_json(path)
+        if earlier is not None and {k: earlier.get(k) for k in settings} != settings:
+            differ = [k for k in settings if earlier.get(k) != settings[k]]
+            raise ConfigError(f"out: {out} holds tokens made with another {' and '.join(differ)}; remove it or "
+                              "choose another folder")
+        if path.name == MANIFEST and earlier is not None:
+            done = dict(enumerate(earlier["shards"]))
+            path.unlink()  # from here on the folder is unfinished until the new manifest
+    for sidecar in sorted(out.glob("shard-*.json")):
+        if (entry := _read_json(sidecar)) is not None:
+            done[int(SHARD.match(sidecar.name).group(1))] = entry
+    return done
+
+
+def _chunks(documents: Iterable[tuple[str, int]], shard_chars: int) -> Iterator[tuple[int, list[str], int]]:
+    texts, chars, source_bytes, k = [], 0, 0, 0
+    for text, size in documents:
+        texts.append(text)
+        chars += len(text)
+        source_bytes += size
+        if chars >= shard_chars:
+            yield k, texts, source_bytes
+            texts, chars, source_bytes, k = [], 0, 0, k + 1
+    if texts:
+        yield k, texts, source_bytes
+
+
+def _size_ok(path: Path, entry: dict, dtype: str) -> bool:
+    return path.exists() and path.stat().st_size == entry["tokens"] * np.dtype(dtype).itemsize
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(tokenizer_json: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
+    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+
+
+def _encode_shard(tokenizer: Tokenizer | None, eos: int, dtype: str, out: Path, k: int, texts: list[str],
+                  source_sha: str) -> dict:
+    tokenizer = tokenizer or _worker_tokenizer
+    parts, end = [], np.array([eos], dtype=dtype)
+    for i in range(0, len(texts), 4096):  # chunks bound the memory held by Encoding objects
+        # no special tokens (e.g. Llama 3's BOS): the EOS after each document is the only separator
+        for encoding in tokenizer.encode_batch_fast(texts[i:i + 4096], add_special_tokens=False):
+            parts += [np.asarray(encoding.ids, dtype=dtype), end]
+    tokens = np.concatenate(parts)
+    name = f"shard-{k:05d}.bin"
+    tmp = out / f".{name}.{os.getpid()}.tmp"
+    tokens.tofile(tmp)
+    os.replace(tmp, out / name)
+    return {"file": name, "documents": len(texts), "tokens": len(tokens), "source_sha256": source_sha,
+            "tokens_sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+
+
+# -----------------------------------------------------------------------------
+# reading
+
+class TokenizedFolder:
+    """The token stream of a tokenized folder: its shards end to end, memory-mapped on first use."""
+
+    def __init__(self, path: str | Path, option: str = "data.path"):
+        self.path = Path(path)
+        manifest = _read_json(self.path / MANIFEST)
+        if manifest is None:
+            unfinished = (self.path / PARTIAL).exists()
+            raise ConfigError(f"{option}: {path} " + ("is an unfinished `plait tokenize`: run it again to finish it"
+                                                      if unfinished else f"has no readable {MANIFEST}"))
+        if manifest.get("format") != FORMAT:
+            raise ConfigError(f"{option}: {path} is in format {manifest.get('format')!r}; this plait reads {FORMAT!r}")
+        self.manifest, self.dtype = manifest, np.dtype(manifest["dtype"])
+        for entry in manifest["shards"]:
+            shard = self.path / entry["file"]
+            size = shard.stat().st_size if shard.exists() else None
+            if size != entry["tokens"] * self.dtype.itemsize:
+                raise ConfigError(f"{option}: {shard} holds {size} bytes but the manifest says {entry['tokens']} "
+                                  f"{self.dtype} tokens: the folder does not match its manifest; tokenize again")
+        self.ends = np.cumsum([entry["tokens"] for entry in manifest["shards"]])
+        self._maps: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["tokens_sha256"]
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.manifest["tokenizer_sha256"]
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of the stream, as int64."""
+        parts = []
+        while count > 0:
+            k = int(np.searchsorted(self.ends, start, side="right"))
+            first = int(self.ends[k]) - self.manifest["shards"][k]["tokens"]
+            take = min(count, int(self.ends[k]) - start)
+            parts.append(self._shard(k)[start - first:start - first + take])
+            start, count = start + take, count - take
+        return np.concatenate(parts).astype(np.int64)
+
+    def _shard(self, k: int) -> np.ndarray:
+        if k not in self._maps:
+            self._maps[k] = np.memmap(self.path / self.manifest["shards"][k]["file"], dtype=self.dtype, mode="r")
+        return self._maps[k]
