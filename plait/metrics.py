@@ -88,9 +88,10 @@ class MetricsLogger:
 
     def log(self, row: dict) -> None:
         step = row["step"]
-        if step % self.log_interval == 0 or step == 1:
+        if step % self.log_interval == 0 or step == 1 or "val_loss" in row:
             mfu = "  n/a " if row["mfu"] is None else f"{100 * row['mfu']:5.2f}%"
-            print(f"step {step:5d} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e}"
+            val = f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+            print(f"step {step:5d} | loss {row['loss']:.4f}{val} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e}"
                   f" | {row['tokens_per_sec']:8.0f} tok/s | mfu {mfu} | mem {row['memory_gib']:.2f} GiB", flush=True)
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")

@@ -128,27 +128,28 @@ def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts) -
 
 def evaluate(model: torch.nn.Module, pipeline: Pipeline | None, batches: list, contexts: TrainContexts,
              dp_group) -> float:
-    """The mean loss over the validation micro-batches of every dp rank, forward only.
+    """The mean loss over the validation batches of every dp rank, forward only.
 
-    The micro-batch losses are gathered and summed exactly (math.fsum: no rounding until the
-    end, so no summation order), so every layout that computes the same micro-batch losses
-    reports the same number to the bit."""
+    Every micro-batch's loss is gathered and summed exactly (math.fsum: one rounding at the end,
+    so no summation order), so every layout that computes the same micro-batch losses reports
+    the same number to the bit. A pipeline's micro-batch losses come divided by m, so the exact
+    sum of a batch's m is its mean (exactly so for m a power of two)."""
+    losses = []
     with torch.no_grad():
-        if pipeline:  # one local batch per validation step, as in training
-            losses = [pipeline.step(inputs, labels, forward_only=True) for inputs, labels in batches]
-            for loss in losses:
+        for inputs, labels in batches:
+            if pipeline:  # one local batch per validation step, as in training
+                loss = pipeline.evaluate(inputs, labels)
                 dist.all_reduce(loss, group=pipeline.group)  # from the last stage to every rank
-        else:
-            losses = []
-            for inputs, labels in batches:
+            else:
                 with contexts.forward():
                     loss = cross_entropy(model(inputs), labels)
-                losses.append(loss.to_local() if isinstance(loss, DTensor) else loss)
-    local = torch.stack(losses).float()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
+                loss = (loss.to_local() if isinstance(loss, DTensor) else loss).reshape(1)
+            losses.append(loss)
+    local = torch.cat(losses).float()
+    dp = dist.get_world_size(dp_group)
+    gathered = [torch.empty_like(local) for _ in range(dp)]
     dist.all_gather(gathered, local, group=dp_group)
-    values = torch.cat(gathered).tolist()
-    return math.fsum(values) / len(values)
+    return math.fsum(torch.cat(gathered).tolist()) / (len(batches) * dp)
 
 
 def save_probe(probe: DtypeProbe, path: str, every_rank: bool) -> None:

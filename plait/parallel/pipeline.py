@@ -54,6 +54,9 @@ def check_pipeline(cfg: JobConfig) -> None:
         raise ConfigError(f"parallelism.dp_backend: {p.dp_backend} cannot run under pipeline parallelism (the schedule "
                           "holds gradient reduction back to a stage's last micro-batch for fully_shard modules only, "
                           "so every micro-batch would reduce); allowed with pp > 1: fsdp2 (DDP, FSDP2, HSDP)")
+    if p.pp_schedule == "zbv" and t.eval_interval:
+        raise ConfigError("training.eval_interval: torch 2.13's zbv schedule runs backward actions in its forward-only "
+                          "eval and fails; allowed with validation: gpipe, 1f1b, interleaved_1f1b, interleaved_zb")
     if p.pp_schedule in ("gpipe", "1f1b") and per_rank != 1:
         raise ConfigError(f"parallelism.pp_stages_per_rank: {p.pp_schedule} runs one stage per rank, got {per_rank}; "
                           "allowed: 1, or a schedule of several (interleaved_1f1b, interleaved_zb, zbv)")
@@ -188,7 +191,7 @@ class Pipeline:
             stages.append(Stage(parts[-1], index, len(ranges), device, group=self.group, contexts=contexts))
         self.module = StageParts(parts)
         self.has_first, self.has_last = 0 in indices, len(ranges) - 1 in indices
-        m = microbatches(cfg)
+        m = self.microbatches = microbatches(cfg)
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             with contexts.forward():  # the loss belongs to the forward, as outside pipelining
@@ -204,21 +207,25 @@ class Pipeline:
                         f"{' | '.join(f'{r.start}-{r.stop - 1}' for r in ranges)} (this rank: stages {indices}), "
                         f"{m} micro-batches of {cfg.training.micro_batch_size // m} sequences per step")
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
-        """Forward and backward (or with `forward_only` forward alone) of one local batch in
-        micro-batches: the sum of its micro-batch losses (each divided by m, so the batch's mean
-        loss) on the last stage's ranks, else 0."""
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one local batch in micro-batches: the sum of its micro-batch
+        losses (each divided by m, so the batch's mean loss) on the last stage's ranks, else 0."""
+        total = torch.zeros((), device=self.device)
+        for loss in self._run(self.schedule.step, inputs, labels):
+            total += loss.detach()
+        return total
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only: the m micro-batch losses, each divided by m, on the last stage's ranks, else zeros."""
+        with torch.no_grad():
+            losses = self._run(self.schedule.eval, inputs, labels)
+        return torch.stack(losses) if losses else torch.zeros(self.microbatches, device=self.device)
+
+    def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {}
         # Loss parallelism around the whole step: at the first step the stages also run forward
         # and backward for shape inference, outside the chunk methods that enter the phases.
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
-            if forward_only:
-                with torch.no_grad():
-                    self.schedule.eval(*([inputs] if self.has_first else []), **kwargs)
-            else:
-                self.schedule.step(*([inputs] if self.has_first else []), **kwargs)
-        total = torch.zeros((), device=self.device)
-        for loss in losses:
-            total += loss.detach()
-        return total
+            run(*([inputs] if self.has_first else []), **kwargs)
+        return losses
