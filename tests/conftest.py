@@ -104,19 +104,37 @@ LAYOUTS = {
 REFERENCE = {name: "single_deep" if "--model.n_layers" in args else "single" for name, (_, args) in LAYOUTS.items()}
 
 
+def validation_text() -> str:
+    """Held-out text for validation losses: prose the bundled corpus (pydoc topics) does not hold."""
+    import argparse
+    import json as json_module
+    import unittest
+
+    return "\n\n".join([argparse.__doc__, json_module.__doc__, unittest.__doc__])
+
+
+# Validation in every shared run: 1 batch after steps 3 and 6 (torch 2.13's zbv cannot evaluate).
+VALIDATE = ["--training.eval_interval", "3", "--training.eval_steps", "1"]
+
+
 @pytest.fixture(scope="session")
 def train_once(tmp_path_factory):
     """`train_once(world, *args)` -> (metric rows, step-1 probe records). Each distinct run
-    happens once per test session however many tests read it, with the probe on (step 1) and
-    the profiler on (step 2: `train_once.traces[(world, args)]` is its folder; it costs ~1%)."""
+    happens once per test session however many tests read it, with the probe on (step 1), the
+    profiler on (step 2: `train_once.traces[(world, args)]` is its folder; it costs ~1%) and
+    the validation loss measured (VALIDATE)."""
     cache = {}
+    val = tmp_path_factory.mktemp("val") / "val.txt"
+    val.write_text(validation_text())
 
     def train(world: int, *args: str):
         key = (world, args)
         if key not in cache:
             tmp = tmp_path_factory.mktemp("run")
-            rows, _ = run_plait(tmp, *args, "--debug.dtype_probe", str(tmp / "probe.json"), "--profiling.enable",
-                                "--profiling.steps", "1", "--profiling.folder", str(tmp / "trace"), nproc=world)
+            validate = [] if "zbv" in args else [*VALIDATE, "--data.val_path", str(val)]
+            rows, _ = run_plait(tmp, *args, *validate, "--debug.dtype_probe", str(tmp / "probe.json"),
+                                "--profiling.enable", "--profiling.steps", "1", "--profiling.folder", str(tmp / "trace"),
+                                nproc=world)
             cache[key] = rows, json.loads((tmp / "probe.json").read_text())
             train.traces[key] = tmp / "trace"
         return cache[key]
@@ -133,6 +151,10 @@ def layout_run(train_once, name: str, precision: list[str] = (), mode: list[str]
 
 def losses(rows: list[dict]) -> list[float]:
     return [row["loss"] for row in rows]
+
+
+def val_losses(rows: list[dict]) -> list[float]:
+    return [row["val_loss"] for row in rows if "val_loss" in row]
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from plait import data
 from plait.config import ConfigError, Data
-from plait.data import BatchLoader, build_tokenizer, eos_id, load_texts, tokenize_corpus
+from plait.data import BatchLoader, build_tokenizer, eos_id, open_data, shards, tokenizer as tokenizers_module
+from plait.data.documents import fingerprint, load_texts
+from plait.data.loader import permute
 
 DOCS = ["first document\nwith two lines", "second one: héllo wörld ✓", "third " * 50]
 
@@ -20,6 +21,13 @@ DOCS = ["first document\nwith two lines", "second one: héllo wörld ✓", "thir
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("plait_cache")
+
+
+def tokenize_corpus(cfg: Data) -> tuple[np.ndarray, Tokenizer]:
+    """The whole token stream of a one-source run, and its tokenizer."""
+    corpus = open_data(cfg)
+    stream = corpus.sources[0]
+    return stream.read(0, len(stream)), corpus.tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -113,8 +121,8 @@ def test_datasets_folder_uses_train_split(tmp_path, monkeypatch):
 
 
 def test_fingerprint_depends_on_document_boundaries():
-    assert data.corpus_fingerprint(["ab", "c"]) != data.corpus_fingerprint(["a", "bc"])
-    assert data.corpus_fingerprint(DOCS) == data.corpus_fingerprint(list(DOCS))
+    assert fingerprint(["ab", "c"]) != fingerprint(["a", "bc"])
+    assert fingerprint(DOCS) == fingerprint(list(DOCS))
 
 
 # ---- tokenizer
@@ -131,7 +139,7 @@ def test_tokenizer_deterministic_and_cached(tmp_path, monkeypatch):
 
     def no_training(*args):
         raise AssertionError("trained again instead of loading the cache")
-    monkeypatch.setattr(data, "_train_bpe", no_training)
+    monkeypatch.setattr(tokenizers_module, "train_bpe", no_training)
     assert build_tokenizer(cfg).to_str() == Tokenizer.from_file(str(files[1])).to_str()
     assert not list((tmp_path / "c2").glob("*.tmp"))
 
@@ -142,21 +150,21 @@ def test_round_trip_and_eos(bundled):
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
     eos = eos_id(tokenizer)
     assert tokenizer.id_to_token(eos) == "<|eos|>"
-    assert tokens.dtype == np.uint32 and tokens[-1] == eos
+    assert tokens.dtype == np.int64 and tokens[-1] == eos
     assert (tokens == eos).sum() == len(load_texts("", "text"))  # one EOS per document
     assert tokenizer.get_vocab_size() == 512
 
 
 def test_tokens_cached(bundled, shared_cache, monkeypatch):
     monkeypatch.setenv("PLAIT_CACHE", str(shared_cache))
-    monkeypatch.setattr(data, "_encode", lambda *a: pytest.fail("encoded again instead of loading the cache"))
+    monkeypatch.setattr(shards, "_encode_shard", lambda *a: pytest.fail("encoded again instead of loading the cache"))
     tokens, _ = tokenize_corpus(Data(vocab_size=512))
     assert np.array_equal(tokens, bundled[0])
 
 
 def test_foreign_tokenizer(tmp_path, cache):
-    path = cache / f"tokenizer-{data.corpus_fingerprint(DOCS)[:16]}-300.json"
-    data._train_bpe(DOCS, 300).save(str(tmp_path / "tok.json"))
+    path = cache / f"tokenizer-{fingerprint(DOCS)[:16]}-300.json"
+    tokenizers_module.train_bpe(DOCS, 300).save(str(tmp_path / "tok.json"))
     cfg = Data(path=str(write_corpus(tmp_path / "corpus")), tokenizer=str(tmp_path / "tok.json"))
     tokens, tokenizer = tokenize_corpus(cfg)
     assert not path.exists()  # nothing trained
@@ -177,7 +185,8 @@ def test_concurrent_ranks_train_once(tmp_path, cache):
     cfg = Data(path=str(write_corpus(tmp_path / "corpus")), vocab_size=300)
     with multiprocessing.get_context("fork").Pool(3) as pool:  # fork: no torch re-import, fast
         assert len(set(pool.map(_tokens_sha, [cfg] * 3))) == 1
-    assert len(list(cache.glob("tokens-*.npy"))) == 1 and not list(cache.glob("*.tmp"))
+    folders = [p for p in cache.glob("tokens-*") if p.is_dir()]
+    assert len(folders) == 1 and not list(folders[0].glob("*.tmp")) and not list(folders[0].glob("shard-*.json"))
 
 
 # ---- batches
@@ -185,9 +194,17 @@ def test_concurrent_ranks_train_once(tmp_path, cache):
 SEQ = 4
 
 
-def ramp(num_sequences: int) -> np.ndarray:
-    """Token t = t, so a sequence's id is inputs[0] // SEQ."""
-    return np.arange(num_sequences * SEQ + 1, dtype=np.uint32)
+class Ramp:
+    """A token stream where token t = t, so a sequence's id is inputs[0] // SEQ."""
+
+    def __init__(self, num_sequences: int):
+        self.tokens = np.arange(num_sequences * SEQ + 1, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def read(self, start, count):
+        return self.tokens[start:start + count]
 
 
 def ids(batches) -> list[int]:
@@ -195,7 +212,7 @@ def ids(batches) -> list[int]:
 
 
 def loader(n=10, global_batch=4, micro=2, rank=0, dp=1, seed=0):
-    return BatchLoader(ramp(n), SEQ, global_batch, micro, rank, dp, seed)
+    return BatchLoader([Ramp(n)], [1.0], SEQ, global_batch, micro, rank, dp, seed)
 
 
 def test_shapes_and_labels():
@@ -230,7 +247,19 @@ def test_epochs_are_fresh_permutations():
     epochs = [stream[i * n:(i + 1) * n] for i in range(3)]
     assert all(sorted(e) == list(range(n)) for e in epochs)
     assert epochs[0] != epochs[1] != epochs[2]
-    assert epochs[1] == np.random.default_rng([0, 1]).permutation(n).tolist()
+    assert epochs[1] == permute(np.arange(n), n, [0, 0, 1]).tolist()  # (seed, source, epoch)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 12345])
+def test_permutation_is_a_seeded_bijection(n):
+    positions = np.arange(n)
+    order = permute(positions, n, [0, 0, 0])
+    assert sorted(order.tolist()) == list(range(n))
+    assert np.array_equal(permute(positions[::-1], n, [0, 0, 0]), order[::-1])  # per position, no state
+    if n >= 1000:  # looks random: another key gives another order, and the order is not near the identity
+        assert not np.array_equal(order, permute(positions, n, [1, 0, 0]))
+        # a random permutation's correlation with its positions has std 1/sqrt(n): 5 sigma
+        assert abs(np.corrcoef(positions, order)[0, 1]) < 5 / np.sqrt(n)
 
 
 def test_resume_equals_uninterrupted():
@@ -239,7 +268,7 @@ def test_resume_equals_uninterrupted():
     first = loader(n=7, seed=3)
     got = [ids(first.next_batches()) for _ in range(2)]
     state = first.state_dict()
-    assert state["step"] == 2
+    assert state["step"] == 2 and state["used"] == [8]
     resumed = loader(n=7, seed=3, micro=4)  # a different micro-batch size resumes too
     resumed.load_state_dict(state)
     got += [ids(resumed.next_batches()) for _ in range(4)]
@@ -252,7 +281,7 @@ def test_mismatched_state_raises(change, option):
     state = loader().state_dict()
     with pytest.raises(ConfigError, match=f"^{option}: "):
         loader(**change).load_state_dict(state)
-    other_seq = BatchLoader(ramp(10), SEQ + 1, 4, 2, 0, 1, 0)
+    other_seq = BatchLoader([Ramp(10)], [1.0], SEQ + 1, 4, 2, 0, 1, 0)
     with pytest.raises(ConfigError, match="^training.seq_len: "):
         other_seq.load_state_dict(state)
 
@@ -262,9 +291,10 @@ def test_too_few_sequences():
         loader(n=7, global_batch=8)
 
 
-def test_bundled_batches(bundled):
+def test_bundled_batches(bundled, shared_cache, monkeypatch):
+    monkeypatch.setenv("PLAIT_CACHE", str(shared_cache))
     tokens, _ = bundled
-    l = BatchLoader(tokens, 128, 8, 4, 0, 1, 0)
-    assert l.num_sequences == (len(tokens) - 1) // 128
+    l = BatchLoader(open_data(Data(vocab_size=512)).sources, [1.0], 128, 8, 4, 0, 1, 0)
+    assert l.num_sequences == [(len(tokens) - 1) // 128]
     (inputs, labels), _ = l.next_batches()
     assert inputs.max() < 512 and torch.equal(inputs[:, 1:], labels[:, :-1])

@@ -36,6 +36,7 @@ FORMAT = "plait-tokens/1"
 MANIFEST = "manifest.json"
 PARTIAL = "partial.json"  # the settings of a tokenize in progress
 TOKENIZER = "tokenizer.json"
+SETTING_NAMES = {"format": "format", "tokenizer_sha256": "tokenizer", "shard_chars": "shard_mb"}
 SHARD = re.compile(r"shard-(\d{5})\.(bin|json)$")
 
 
@@ -127,7 +128,7 @@ def _finished_shards(out: Path, settings: dict) -> dict[int, dict]:
     for path in (out / MANIFEST, out / PARTIAL):
         earlier = _read_json(path)
         if earlier is not None and {k: earlier.get(k) for k in settings} != settings:
-            differ = [k for k in settings if earlier.get(k) != settings[k]]
+            differ = [SETTING_NAMES[k] for k in settings if earlier.get(k) != settings[k]]
             raise ConfigError(f"out: {out} holds tokens made with another {' and '.join(differ)}; remove it or "
                               "choose another folder")
         if path.name == MANIFEST and earlier is not None:

@@ -25,14 +25,16 @@ import tyro
 
 from plait.config import ConfigError, JobConfig, _sections, parse_args, validate
 
+METRICS = ("loss", "val_loss", "grad_norm")  # compared between runs, when both have them
 FLOOR = 1e-12  # where the log-scale plot shows a zero difference, so bitwise-equal runs stay visible
 # Options compare sets in every run itself, and why neither a run nor the shared options may.
 CONTROLLED = {"training.steps": "use plait compare --steps", "nproc": "give it per run as nproc=N",
               "training.threads": "pinned to 1 per rank: the thread count changes summation order",
               "debug.deterministic": "always on", "metrics.jsonl": "compare reads it",
               "checkpoint.load": "every run starts from compare's seed checkpoint"}
-# Options every run must share: the seed checkpoint and the batches are made once for all runs.
-SHARED = ("model.", "data.", "training.seed", "training.global_batch_size", "training.seq_len")
+# Options every run must share: the seed checkpoint and the batches are made once for all runs, and
+# validation losses are compared step for step.
+SHARED = ("model.", "data.", "training.seed", "training.global_batch_size", "training.seq_len", "training.eval_")
 
 
 @dataclass
@@ -197,7 +199,8 @@ def read_golden(path: str, shared: dict, steps: int) -> dict:
 
 
 def train(run: Run, seed: Path, metrics: Path) -> dict[str, list[float]]:
-    """One `plait train` process (torchrun for world > 1) -> its per-step losses and grad norms."""
+    """One `plait train` process (torchrun for world > 1) -> its per-step losses and grad norms, and
+    its validation losses (at the evaluation steps; none without training.eval_interval)."""
     metrics.unlink(missing_ok=True)  # the logger appends: a rerun must not add to an old file
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.world}"] \
         if run.world > 1 else [sys.executable]
@@ -210,27 +213,36 @@ def train(run: Run, seed: Path, metrics: Path) -> dict[str, list[float]]:
                         f"{proc.stderr[-3000:]}")
     print(f"compare: {run.label} (world {run.world}): {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
+    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
+            "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
+            "val_step": [r["step"] for r in rows if "val_loss" in r]}
+
+
+def compared(values: dict, ref: dict) -> list[str]:
+    """The metrics both runs have: loss and grad norm always, validation loss where both evaluated."""
+    return [m for m in METRICS if values.get(m) and ref.get(m)]
 
 
 def difference(run: Run, values: dict, ref_label: str, ref: dict) -> dict:
-    row = {"run": run.label, "world": run.world, "vs": ref_label,
-           "bitwise": all(values[m] == ref[m] for m in ("loss", "grad_norm"))}
-    for metric in ("loss", "grad_norm"):
+    metrics = compared(values, ref)
+    row = {"run": run.label, "world": run.world, "vs": ref_label, "bitwise": all(values[m] == ref[m] for m in metrics)}
+    for metric in metrics:
         diffs = [abs(a - b) for a, b in zip(values[metric], ref[metric])]
         worst = max(range(len(diffs)), key=diffs.__getitem__)
-        row[f"{metric}_abs"], row[f"{metric}_step"] = diffs[worst], worst + 1
+        steps = values["val_step"] if metric == "val_loss" else range(1, len(diffs) + 1)
+        row[f"{metric}_abs"], row[f"{metric}_step"] = diffs[worst], steps[worst]
         row[f"{metric}_rel"] = max(d / abs(b) if b else d for d, b in zip(diffs, ref[metric]))
     return row
 
 
 def markdown(table: list[dict]) -> str:
-    num = "{:.1e}".format
-    lines = ["| run | world | vs | max abs Δloss | max rel Δloss | max abs Δgrad_norm | max rel Δgrad_norm "
-             "| bitwise |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['run']} | {r['world']} | {r['vs']} | {num(r['loss_abs'])} | {num(r['loss_rel'])} "
-              f"| {num(r['grad_norm_abs'])} | {num(r['grad_norm_rel'])} | {'yes' if r['bitwise'] else 'no'} |"
-              for r in table]
+    def num(row: dict, key: str) -> str:
+        return f"{row[key]:.1e}" if key in row else "-"
+    lines = ["| run | world | vs | max abs Δloss | max rel Δloss | max abs Δval_loss | max abs Δgrad_norm "
+             "| max rel Δgrad_norm | bitwise |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | {r['world']} | {r['vs']} | {num(r, 'loss_abs')} | {num(r, 'loss_rel')} "
+              f"| {num(r, 'val_loss_abs')} | {num(r, 'grad_norm_abs')} | {num(r, 'grad_norm_rel')} "
+              f"| {'yes' if r['bitwise'] else 'no'} |" for r in table]
     return "\n".join(lines)
 
 
@@ -294,7 +306,8 @@ def main(argv: list[str]) -> int:
         golden_label = f"golden {Path(args.golden).name}"
         table += [difference(run, values, golden_label, golden) for run, values in zip(runs, results)]
         series[golden_label] = golden["loss"]
-    print(f"reference: {reference}, {args.steps} steps, final loss {results[0]['loss'][-1]:.6f}")
+    final_val = f", final val_loss {results[0]['val_loss'][-1]:.6f}" if results[0]["val_loss"] else ""
+    print(f"reference: {reference}, {args.steps} steps, final loss {results[0]['loss'][-1]:.6f}{final_val}")
     print(markdown(table))
     plot(series, reference, out / "losses.png")
     (out / "losses.json").write_text(json.dumps(
@@ -305,7 +318,7 @@ def main(argv: list[str]) -> int:
         Path(args.export).write_text(json.dumps({"torch": version("torch"), "run": reference, "config": runs[0].config,
                                                  "shared": flat(shared_cfg), **results[0]}, indent=1))
     failed = [f"{r['run']} vs {r['vs']}: {m} differs by {r[f'{m}_abs']:.1e} at step {r[f'{m}_step']} (atol {atol:g})"
-              for r in table for m in ("loss", "grad_norm") if atol is not None and r[f"{m}_abs"] > atol]
+              for r in table for m in METRICS if atol is not None and r.get(f"{m}_abs", 0) > atol]
     for line in failed:
         print(f"compare: FAILED {line}", file=sys.stderr)
     return 1 if failed else 0
