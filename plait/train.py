@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from plait import hf, parallel
 from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
-from plait.config import ConfigError, JobConfig, grad_accumulation_steps, validate, world_size
+from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, validate, world_size
 from plait.data import BatchLoader, eval_batches, open_data
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
@@ -179,6 +179,17 @@ def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
             check_compatible(folder, args, "checkpoint.load")
 
 
+def check_data_sizes(cfg: JobConfig, corpus) -> None:
+    """Every source holds a global batch, the validation set its eval_steps: before any process group."""
+    t = cfg.training
+    BatchLoader(corpus.sources, corpus.weights, t.seq_len, t.global_batch_size, t.micro_batch_size, 0, dp_degree(cfg),
+                t.seed)
+    if t.eval_interval and (len(corpus.val) - 1) // t.seq_len < t.eval_steps * t.global_batch_size:
+        raise ConfigError(f"data.val_path: {cfg.data.val_path} has {(len(corpus.val) - 1) // t.seq_len} sequences of "
+                          f"training.seq_len={t.seq_len}, fewer than training.eval_steps x global_batch_size = "
+                          f"{t.eval_steps * t.global_batch_size}")
+
+
 def run(cfg: JobConfig) -> list[dict]:
     """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
     validate(cfg, world_size())
@@ -196,6 +207,7 @@ def run(cfg: JobConfig) -> list[dict]:
     check_divisibility(args, cfg)
     identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)
+    check_data_sizes(cfg, corpus)
 
     device = pick_device(cfg.training.device)
     init_distributed(cfg, device)

@@ -3,6 +3,7 @@ grow with the corpus, mixtures, and bad tokenized input."""
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,21 @@ def test_bad_tokenized_folders(corpus, tmp_path, capsys):
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="^out: .* is not empty and not a tokenized folder"):
         tokenize_main([ "--data.path", str(corpus / "c.jsonl"), "--out", str(tmp_path / "busy")])
+
+
+def test_validation_and_mix_options_fail_in_one_line(corpus, tmp_path, capsys):
+    (tmp_path / "val.txt").write_text("too short")
+    cases = [
+        (["--training.eval_interval", "2"], "training.eval_interval: set data.val_path too"),
+        (["--training.eval_interval", "2", "--data.val_path", str(tmp_path / "val.txt")],
+         "data.val_path: .* has 0 sequences of training.seq_len=128, fewer than training.eval_steps"),
+        (["--training.eval_steps", "0"], "training.eval_interval must be >= 0 and eval_steps >= 1"),
+        (["--data.mix", f"{corpus / 'w1'}:1", "--data.path", str(corpus / "w1")], "data.mix: give data.path or data.mix"),
+        (["--data.mix", f"{corpus / 'c.jsonl'}:1"], "data.mix: raw-text sources need data.tokenizer"),
+        (["--parallelism.pp", "2", "--parallelism.pp_schedule", "zbv", "--model.n_layers", "4", "--nproc", "2",
+          "--training.eval_interval", "2", "--data.val_path", str(tmp_path / "val.txt")], "training.eval_interval: .*zbv"),
+    ]
+    for argv, message in cases:
+        assert main(["train", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.match(f"plait: error: {message}", err), err

@@ -118,14 +118,9 @@ class BatchLoader:
 
 
 def eval_batches(source, seq_len: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 steps: int, option: str = "data.val_path") -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of the validation set: the source's first steps x G sequences in
     order, step by step, each step split among dp ranks as training splits a step."""
-    available = (len(source) - 1) // seq_len
-    if available < steps * global_batch_size:
-        raise ConfigError(f"{option}: {getattr(source, 'path', 'the validation set')} has {available} sequences of "
-                          f"training.seq_len={seq_len}, fewer than training.eval_steps x global_batch_size = "
-                          f"{steps * global_batch_size}")
     share = global_batch_size // dp_size
     rows = [source.read((step * global_batch_size + dp_rank * share + i) * seq_len, seq_len + 1)
             for step in range(steps) for i in range(share)]
