@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import tyro
 
+from plait.arguments import parse
 from plait.config import ConfigError, parse_args, validate
 
 USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,bench,compare,trace,plan} [options]
@@ -127,7 +127,7 @@ def export(argv: list[str]) -> int:
     from plait.checkpoint import check_compatible, load_full_state_dict, read_manifest
     from plait.model import ModelArgs
 
-    opts = tyro.cli(ExportArgs, args=argv, prog="plait export", use_underscores=True)
+    opts = parse(ExportArgs, argv, "plait export")
     manifest = read_manifest(Path(opts.checkpoint))
     if manifest is None:
         raise ConfigError(f"checkpoint: {opts.checkpoint} is not a complete plait checkpoint")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import tyro
 
 Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b"]
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -258,7 +257,9 @@ def parse_args(argv: list[str], prog: str = "plait train") -> JobConfig:
         name = arg.split("=", 1)[1] if arg.startswith("--config=") else (argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
         if name is not None:
             config_args = toml_to_args(resolve_config_path(name))
-    return tyro.cli(JobConfig, args=config_args + argv, prog=prog, use_underscores=True)
+    from plait.arguments import parse  # it raises this module's ConfigError
+
+    return parse(JobConfig, config_args + argv, prog)
 
 
 def world_size() -> int:
@@ -320,6 +321,9 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("steps", "global_batch_size", "seq_len"):
         if getattr(t, name) < 1:
             raise ConfigError(f"training.{name}: must be >= 1, got {getattr(t, name)}")
+    for name in ("lr", "max_norm", "weight_decay"):
+        if not math.isfinite(getattr(t, name)):  # NaN passes every comparison below
+            raise ConfigError(f"training.{name}: must be a finite number, got {getattr(t, name)}")
     if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0:
         raise ConfigError("training: lr must be > 0; warmup_steps, max_norm and threads must be >= 0")
     dp = dp_degree(cfg)

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tyro
 from tqdm import tqdm
 
+from plait.arguments import parse
 from plait.config import ConfigError, Data
 from plait.data import build_tokenizer
 from plait.data.documents import iter_documents, source_bytes
@@ -34,7 +34,7 @@ class TokenizeArgs:
 
 
 def main(argv: list[str]) -> int:
-    opts = tyro.cli(TokenizeArgs, args=argv, prog="plait tokenize", use_underscores=True)
+    opts = parse(TokenizeArgs, argv, "plait tokenize")
     d = opts.data
     if d.mix or d.val_path:
         raise ConfigError("data.mix / data.val_path: plait tokenize takes one data.path; tokenize each source "

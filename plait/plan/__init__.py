@@ -27,8 +27,8 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-import tyro
 
+from plait.arguments import parse
 from plait.config import ConfigError, JobConfig, parse_args, validate
 from plait.hardware import GPU_PEAK_TFLOPS
 from plait.model import ModelArgs
@@ -195,7 +195,7 @@ def verdict(rows: list[Row], memory_gib: float) -> str:
 
 def main(argv: list[str]) -> int:
     own, rest = split_argv(argv)
-    opts = tyro.cli(PlanArgs, args=own, prog="plait plan", use_underscores=True)
+    opts = parse(PlanArgs, own, "plait plan")
     if opts.world < 1 or opts.device_memory_gib <= 0:
         raise ConfigError("world / device_memory_gib: must be >= 1 / > 0")
     base = parse_args(rest, prog="plait plan")

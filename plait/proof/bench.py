@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 
+from plait.arguments import parse
 from plait.config import ConfigError, Data, Flavor
 from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
@@ -285,7 +285,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    cfg = tyro.cli(BenchConfig, args=argv, prog="plait bench", use_underscores=True)
+    cfg = parse(BenchConfig, argv, "plait bench")
     result = bench(cfg)
     text = markdown(result)
     print(text)

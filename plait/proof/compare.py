@@ -23,6 +23,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from plait.arguments import parse
 from plait.config import ConfigError, JobConfig, _sections, parse_args, validate
 
 METRICS = ("loss", "val_loss", "grad_norm")  # compared between runs, when both have them
@@ -274,7 +275,7 @@ def plot(series: dict[str, list[float]], reference: str, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
-    args = tyro.cli(CompareArgs, args=argv[:split], prog="plait compare", use_underscores=True)
+    args = parse(CompareArgs, argv[:split], "plait compare")
     shared = argv[split + 1:]
     shared_cfg, model, runs = plan(args, shared)
     golden = read_golden(args.golden, flat(shared_cfg), args.steps) if args.golden else None

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
+from plait.arguments import parse
 from plait.config import ConfigError, Profiling
 
 PHASES = ("forward", "backward", "optimizer", "step")  # "step": outside those three (loss, grad norm)
@@ -298,7 +299,7 @@ class TraceArgs:
 
 
 def main(argv: list[str]) -> int:
-    opts = tyro.cli(TraceArgs, args=argv, prog="plait trace", use_underscores=True)
+    opts = parse(TraceArgs, argv, "plait trace")
     expectations = [Expectation.parse(spec) for spec in opts.expect]
     traces = load(opts.folder, opts.rank)
     steps = "/".join(sorted({str(steps) for steps, _ in traces.values()}))

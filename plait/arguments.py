@@ -1,0 +1,75 @@
+"""Command lines parsed by tyro, with its multi-line error boxes turned into the one line the
+README promises: `plait: error: OPTION: what is wrong`, exit code 2."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import io
+import os
+import re
+import typing
+
+import tyro
+
+from plait.config import ConfigError
+
+RULE = set("─-+╭╮╰╯ ")  # a box's borders and rules, drawn in Unicode on a terminal, in ASCII elsewhere
+
+
+def flags(cls, prefix: str = "") -> list[str]:
+    """Every `--section.key` a dataclass (and the dataclasses nested in it) accepts."""
+    hints = typing.get_type_hints(cls)
+    names = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            names += flags(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            names.append(f"--{prefix}{f.name}")
+    return names
+
+
+def parse(cls, argv: list[str], prog: str):
+    """tyro.cli(cls) on argv; a parse error becomes one ConfigError line naming the option."""
+    stderr = io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    if not {"-h", "--help"} & set(argv):  # rich wraps error boxes at the terminal's width: one message, one line
+        os.environ["COLUMNS"] = "1000"
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return tyro.cli(cls, args=argv, prog=prog, use_underscores=True)
+    except SystemExit as e:
+        if not e.code:
+            raise  # --help
+        raise ConfigError(one_line(stderr.getvalue(), cls, prog)) from None
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+
+
+def one_line(box: str, cls, prog: str) -> str:
+    """The message of a tyro error box (the lines above its first rule), prefixed by the option."""
+    lines = [line.strip().strip("│|").strip() for line in box.splitlines()]
+    lines = [line for line in lines if line]
+    message = []
+    for line in lines[1:]:  # the first is the box's title (in its top border, or a line of its own)
+        if set(line) <= RULE:
+            if message:
+                break
+            continue  # the rule under a title line
+        message.append(line)
+    text = " ".join(message) or " ".join(lines).strip() or "invalid command line"
+    unknown = re.match(r"Unrecognized options?: ([^\s,]+)", text)
+    if unknown and not unknown.group(1).startswith("--"):
+        return (f"arguments: unexpected value {unknown.group(1)!r} (a boolean option takes none: --section.key "
+                f"sets it, --section.no_key clears it)")
+    if unknown:
+        name = unknown.group(1)[2:]
+        close = difflib.get_close_matches(f"--{name}", flags(cls), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"{name}: unknown option --{name}{hint} ({prog} --help lists every option)"
+    option = re.search(r"--([\w.-]+)", text)
+    return f"{option.group(1) if option else 'arguments'}: {text}"
