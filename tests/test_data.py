@@ -298,3 +298,13 @@ def test_bundled_batches(bundled, shared_cache, monkeypatch):
     assert l.num_sequences == [(len(tokens) - 1) // 128]
     (inputs, labels), _ = l.next_batches()
     assert inputs.max() < 512 and torch.equal(inputs[:, 1:], labels[:, :-1])
+
+
+def test_a_corpus_that_is_mostly_not_text_is_refused(tmp_path, capsys):
+    """Random bytes decode to ~55% U+FFFD and control characters; a little of them is trained on, with a note."""
+    (tmp_path / "random.txt").write_bytes(np.random.default_rng(0).bytes(20_000))
+    with pytest.raises(ConfigError, match=r"^data.path: .*random.txt is mostly not text \(5\d\.\d\d% of its"):
+        load_texts(str(tmp_path / "random.txt"))
+    (tmp_path / "some.txt").write_bytes(DOCS[2].encode() + b"\xff\xfe\x00")
+    assert load_texts(str(tmp_path / "some.txt")) == [DOCS[2] + "\ufffd\ufffd\x00"]
+    assert "some.txt: 0.99% of its 303 characters are invalid UTF-8 or control characters" in capsys.readouterr().err

@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
+import re
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -63,7 +66,7 @@ def load_texts(path: str, text_field: str = "text") -> list[str]:
 
 def _file_documents(f: Path, field: str) -> Iterator[tuple[str, int]]:
     if f.suffix == ".txt":
-        yield f.read_text(encoding="utf-8", errors="replace"), f.stat().st_size
+        yield checked_text(f.read_text(encoding="utf-8", errors="replace"), f), f.stat().st_size
     elif f.suffix == ".jsonl":
         with open(f, "rb") as lines:  # bytes: each line's length is the progress it makes
             pending = 0
@@ -91,6 +94,26 @@ def _file_documents(f: Path, field: str) -> Iterator[tuple[str, int]]:
     else:
         raise ConfigError(f"data.path: {str(f)!r} has an unsupported extension; allowed: "
                           f"{', '.join(SUFFIXES)}, a folder of them, or a Hugging Face datasets folder")
+
+
+# what is not text: bytes that are not UTF-8 (decoded as U+FFFD) and control characters other than
+# tab, newline, form feed and carriage return
+NOT_TEXT = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f\ufffd]")
+MOSTLY_NOT_TEXT = 0.5
+
+
+def checked_text(text: str, f: Path) -> str:
+    """A .txt file's text, refused when it is mostly not text (a binary file, random bytes), and
+    with a note from rank 0 saying how much of it is not, where any is."""
+    bad = len(NOT_TEXT.findall(text))
+    if bad:
+        share = f"{bad / len(text):.2%} of its {len(text):,} characters are invalid UTF-8 or control characters"
+        if bad > MOSTLY_NOT_TEXT * len(text):
+            raise ConfigError(f"data.path: {f} is mostly not text ({share}); a binary file?")
+        if os.environ.get("RANK", "0") == "0":
+            print(f"plait: note: {f}: {share} (trained on as they are: U+FFFD and the control characters)",
+                  file=sys.stderr, flush=True)
+    return text
 
 
 def _datasets_texts(p: Path, field: str) -> Iterable[str]:
