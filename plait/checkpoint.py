@@ -235,6 +235,16 @@ class Checkpointer:
         interval = self.cfg.checkpoint.interval
         if self.root is None or not interval or (step % interval and step != self.cfg.training.steps):
             return
+        self._save(step, asynchronous=self.stager is not None)
+
+    def save_now(self, step: int) -> Path | None:
+        """Save `step` synchronously, whatever the interval (preemption); None without checkpoint.folder."""
+        if self.root is None:
+            return None
+        self._save(step, asynchronous=False)
+        return self.root / f"step-{step}"
+
+    def _save(self, step: int, asynchronous: bool) -> None:
         self._finish_pending(block=True)  # one save in flight at a time
         folder = self.root / f"step-{step}"
         if read_manifest(folder) is not None:
@@ -248,7 +258,7 @@ class Checkpointer:
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()
-        if self.stager is None:
+        if not asynchronous:
             dcp.save(self._state(with_optimizer=True), checkpoint_id=str(folder))
             self._complete(folder, manifest, start, time.perf_counter() - start)
         else:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -35,6 +38,7 @@ def train(argv: list[str]) -> int:
         return launch_local(argv, cfg.nproc)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:
         raise ConfigError(f"nproc: {cfg.nproc} does not match torchrun's world size {os.environ['WORLD_SIZE']}")
+    from plait.preemption import Preempted
     from plait.train import TrainingError, run
 
     try:
@@ -42,6 +46,10 @@ def train(argv: list[str]) -> int:
     except TrainingError as e:
         print(f"plait: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"plait: stopped on {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     return 0
 
 
@@ -58,7 +66,26 @@ def launch_local(argv: list[str], nproc: int) -> int:
             worker_argv.append(arg)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "plait", "train", *worker_argv]
-    return subprocess.run(command).returncode
+    # torchrun, its agent and workers, in a process group of their own, to which this process
+    # forwards what it is sent: a container runtime signals only its first process, a terminal's
+    # Ctrl-C reaches the foreground group only. SIGUSR1 travels as SIGTERM: torchrun's agent
+    # would die of SIGUSR1 itself, before its workers could save.
+    job = subprocess.Popen(command, start_new_session=True)
+
+    def forward(signum, frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, signal.SIGTERM if signum == signal.SIGUSR1 else signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = job.wait()
+    # torchrun can return while workers still save (a second signal ends its wait early): the job
+    # ends when its last process does.
+    with contextlib.suppress(ProcessLookupError):
+        while True:
+            os.killpg(job.pid, 0)
+            time.sleep(0.1)
+    return code
 
 
 def tokenize(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from plait.model import Transformer, cross_entropy, flops_per_token, linear_weig
 from plait.parallel.pipeline import Pipeline, microbatches
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
+from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
 
@@ -261,6 +263,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
 
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
+    preemption = Preemption(device)
     try:
         for step in range(done + 1, t.steps + 1):
             start = time.perf_counter()
@@ -273,6 +276,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                 else:
                     loss_sum = accumulate(model, batches, contexts)
                 dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+                preemption.agree()
                 loss_value = loss_sum.item() / (accum * dp_mesh.size())
                 grad_norm = clip_and_norm(model, t.max_norm, pipeline.group if pipeline else None)
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -305,9 +309,16 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                 logger.log(row)
                 rows.append(row)
             checkpointer.maybe_save(step)
+            if signum := preemption.agreed_signal():
+                folder = checkpointer.save_now(step)
+                name = signal.Signals(signum).name
+                raise Preempted(f"{name} after step {step}: " + (
+                    f"saved {folder}; run the same command again to resume from it" if folder else
+                    "nothing saved (no checkpoint.folder): the steps of this run are lost"), signum)
     finally:
         # Also when the run fails: a save in flight completes (and gets its manifest) before the
         # process group goes away under it.
+        preemption.close()
         checkpointer.close()
         if logger:
             logger.close()

@@ -90,11 +90,11 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
             if ranks.get(stage - 1, ranks[stage]) != ranks[stage]:
                 out["forward", "recv", "pp"] += hop
                 out["backward", "send", "pp"] += hop
-    # The loss is summed over dp (and over pp from the last stage): one float32 each. The
-    # gradient norm's per-parameter fp64 squares are summed over each dimension that shards
-    # them (dp_shard, tp), and the stages' sums over pp.
+    # The loss is summed over dp (and over pp from the last stage), and the preemption signal over
+    # every rank: one float32 each. The gradient norm's per-parameter fp64 squares are summed over
+    # each dimension that shards them (dp_shard, tp), and the stages' sums over pp.
     sharded_by = (p.dp_shard > 1) + (p.tp > 1)
-    out["step", "all_reduce", "scalars"] += 4 * (1 + (p.pp > 1)) + 8 * len(params) * sharded_by + 8 * (p.pp > 1)
+    out["step", "all_reduce", "scalars"] += 4 * (2 + (p.pp > 1)) + 8 * len(params) * sharded_by + 8 * (p.pp > 1)
     return out
 
 
