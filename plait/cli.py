@@ -66,26 +66,51 @@ def launch_local(argv: list[str], nproc: int) -> int:
             worker_argv.append(arg)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "plait", "train", *worker_argv]
-    # torchrun, its agent and workers, in a process group of their own, to which this process
-    # forwards what it is sent: a container runtime signals only its first process, a terminal's
-    # Ctrl-C reaches the foreground group only. SIGUSR1 travels as SIGTERM: torchrun's agent
-    # would die of SIGUSR1 itself, before its workers could save.
-    job = subprocess.Popen(command, start_new_session=True)
+    # A scheduler signals every process of the job, a container runtime only its first (this one):
+    # SIGTERM and SIGUSR1 are forwarded to the workers, which save and stop (a duplicate changes
+    # nothing). Not to torchrun's agent: it would die of SIGUSR1 before its workers could save.
+    job = subprocess.Popen(command)
+    signalled: list[int] = []
 
     def forward(signum, frame):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(job.pid, signal.SIGTERM if signum == signal.SIGUSR1 else signum)
+        workers = descendants(job.pid)
+        signalled.extend(workers)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
     code = job.wait()
-    # torchrun can return while workers still save (a second signal ends its wait early): the job
-    # ends when its last process does.
-    with contextlib.suppress(ProcessLookupError):
-        while True:
-            os.killpg(job.pid, 0)
-            time.sleep(0.1)
+    # torchrun can return while its workers still save (a second SIGTERM ends its wait early):
+    # the job ends when its last worker does.
+    while any(_alive(pid) for pid in signalled):
+        time.sleep(0.1)
     return code
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers are its children), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        kids = children.get(stack.pop(), [])
+        found += kids
+        stack += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited
 
 
 def tokenize(argv: list[str]) -> int:

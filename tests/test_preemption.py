@@ -1,0 +1,80 @@
+"""Preemption: a scheduler's SIGTERM (or SIGUSR1) to the whole job at a random step: every rank
+finishes the step, one complete checkpoint of it is written, every process is gone within the
+grace period, and the restarted job reproduces the remaining steps bitwise."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, descendants, losses, run_plait
+
+pytestmark = pytest.mark.slow
+STEPS = ["--training.steps", "12"]
+FSDP2 = ["--parallelism.dp_shard", "2"]
+GRACE = 30  # torchrun's agent sends SIGKILL 30 s after forwarding SIGTERM; so does Slurm's default KillWait
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    rows, _ = run_plait(tmp_path_factory.mktemp("straight"), *STEPS, *FSDP2, nproc=2)
+    return losses(rows)
+
+
+def signal_at_random_step(command: list[str], signum: int, metrics) -> tuple[int, str, int, float]:
+    """Run `command` in a process group of its own; at a random step (3-8) send `signum` to the
+    whole group, as a scheduler does. Returns (that step, the output, exit code, seconds to end)."""
+    at = random.randint(3, 8)
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith(f"step {at:5d}"):
+                break
+        everyone = [proc.pid, *descendants(proc.pid)]
+        sent = time.perf_counter()
+        os.killpg(proc.pid, signum)
+        out += proc.stdout.readlines()
+        code = proc.wait(timeout=GRACE)
+        while any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
+                  for pid in everyone) and time.perf_counter() - sent < GRACE:
+            time.sleep(0.1)
+        return at, "".join(out), code, time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("launcher", ["plait", "torchrun"])
+def test_sigterm_saves_the_step_and_the_restart_is_bitwise(tmp_path, uninterrupted, launcher):
+    folder, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    train = [*TINY, *STEPS, *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "100",
+             "--metrics.log_interval", "1", "--metrics.jsonl", str(metrics)]
+    start = [sys.executable, "-m", "plait", "train", "--nproc", "2"] if launcher == "plait" else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "plait", "train"]
+    at, out, code, seconds = signal_at_random_step([*start, *train], signal.SIGTERM, metrics)
+    done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1]
+    print(f"\n{launcher}: SIGTERM at step {at}, saved step {done}, every process gone after {seconds:.1f}s")
+    assert seconds < GRACE and code != 0
+    assert done in (at, at + 1)  # the signal may land after the step's agreement: then the next step ends it
+    assert [p.name for p in folder.iterdir() if p.name.startswith("step-")] == [f"step-{done}"]
+    assert (folder / f"step-{done}" / "plait.json").exists()
+    assert f"plait: stopped on SIGTERM after step {done}: saved {folder / f'step-{done}'}" in out
+    resumed, proc = run_plait(tmp_path, *STEPS, *FSDP2, "--checkpoint.folder", str(folder), nproc=2, metrics=metrics)
+    assert f"resumed from {folder / f'step-{done}'}" in proc.stdout
+    assert losses(resumed) == uninterrupted
+
+
+def test_sigusr1_without_a_checkpoint_folder_says_nothing_was_saved(tmp_path):
+    command = [sys.executable, "-m", "plait", "train", *TINY, *STEPS, "--metrics.log_interval", "1"]
+    at, out, code, _ = signal_at_random_step(command, signal.SIGUSR1, None)
+    assert code == 128 + signal.SIGUSR1
+    assert out.strip().splitlines()[-1].startswith("plait: stopped on SIGUSR1 after step ")
+    assert "nothing saved (no checkpoint.folder)" in out
