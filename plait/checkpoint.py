@@ -146,6 +146,10 @@ def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path) -> None:
     write_manifest(out, _manifest(cfg, args, "seed", 0))
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, say): the run stops, nothing is lost silently."""
+
+
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and restores at start-up (see `restore`)."""
 
@@ -259,7 +263,10 @@ class Checkpointer:
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()
         if not asynchronous:
-            dcp.save(self._state(with_optimizer=True), checkpoint_id=str(folder))
+            try:
+                dcp.save(self._state(with_optimizer=True), checkpoint_id=str(folder))
+            except (Exception, CheckpointException) as e:
+                raise self._save_failed(folder, e) from None
             self._complete(folder, manifest, start, time.perf_counter() - start)
         else:
             response = dcp.async_save(self._state(with_optimizer=True), checkpoint_id=str(folder),
@@ -280,8 +287,25 @@ class Checkpointer:
         future, folder, manifest, start, blocking = self.pending
         self.pending = None
         self.wait_for_staging()
-        future.result()
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            raise self._save_failed(folder, e) from None
         self._complete(folder, manifest, start, blocking)
+
+    def _save_failed(self, folder: Path, error: BaseException) -> "SaveFailed":
+        """One line: the folder, why, what a checkpoint of this job needs and what is free there.
+        The folder has no manifest, so nothing takes it as complete; older checkpoints stay."""
+        with torch.device("meta"):
+            elements = sum(p.numel() for p in Transformer(self.args).parameters())
+        needed = 12 * elements  # parameters and both AdamW moments, in fp32
+        free = shutil.disk_usage(self.root).free
+        if isinstance(error, CheckpointException) and error.failures:  # every rank's failure: the first
+            error = next(iter(error.failures.values()))[0]
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return SaveFailed(f"checkpoint: saving {folder} failed ({cause}); a checkpoint of this job needs about "
+                          f"{needed / 2**20:,.0f} MiB and {self.root} has {free / 2**20:,.0f} MiB free; the "
+                          f"unfinished folder has no manifest, the checkpoints before it are intact")
 
     def _complete(self, folder: Path, manifest: dict, start: float, blocking: float) -> None:
         # Rank 0's save returns after the coordinator wrote DCP's metadata, i.e. after every

@@ -38,12 +38,13 @@ def train(argv: list[str]) -> int:
         return launch_local(argv, cfg.nproc)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:
         raise ConfigError(f"nproc: {cfg.nproc} does not match torchrun's world size {os.environ['WORLD_SIZE']}")
+    from plait.checkpoint import SaveFailed
     from plait.preemption import Preempted
     from plait.train import TrainingError, run
 
     try:
         run(cfg)
-    except TrainingError as e:
+    except (TrainingError, SaveFailed) as e:
         print(f"plait: error: {e}", file=sys.stderr, flush=True)
         return 1
     except Preempted as e:

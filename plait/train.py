@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,6 +36,10 @@ from plait.proof.trace import StepProfiler
 
 class TrainingError(RuntimeError):
     """The run cannot continue (a non-finite loss or gradient); weights were not updated."""
+
+
+class CollectiveTimeout(TrainingError):
+    """A collective did not complete within comm.timeout_seconds: a peer is hung or dead."""
 
 
 def init_distributed(cfg: JobConfig, device: torch.device) -> None:
@@ -181,6 +186,13 @@ def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
             check_compatible(folder, args, "checkpoint.load")
 
 
+def collective_of(error: BaseException) -> str:
+    """The torch.distributed call a timed-out error came from, read off its traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    calls = [f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")]
+    return f"the collective {calls[-1]}" if calls else "a collective"
+
+
 def check_data_sizes(cfg: JobConfig, corpus) -> None:
     """Every source holds a global batch, the validation set its eval_steps: before any process group."""
     t = cfg.training
@@ -213,12 +225,18 @@ def run(cfg: JobConfig) -> list[dict]:
 
     device = pick_device(cfg.training.device)
     init_distributed(cfg, device)
+    peers_answer = True
     try:
         return _train(cfg, args, corpus, identity, device)
+    except CollectiveTimeout:
+        peers_answer = False
+        raise
     finally:
-        # A barrier before tearing down avoids gloo aborting at exit while a peer still talks.
+        # A barrier before tearing down avoids gloo aborting at exit while a peer still talks
+        # (but would wait for a hung peer until it timed out too, and replace the error).
         if dist.is_initialized():
-            dist.barrier()
+            if peers_answer:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -315,6 +333,12 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                 raise Preempted(f"{name} after step {step}: " + (
                     f"saved {folder}; run the same command again to resume from it" if folder else
                     "nothing saved (no checkpoint.folder): the steps of this run are lost"), signum)
+    except RuntimeError as e:  # gloo and NCCL raise their timeouts as RuntimeError (DistBackendError)
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise CollectiveTimeout(f"step {step}: {collective_of(e)} did not complete within comm.timeout_seconds="
+                            f"{cfg.comm.timeout_seconds}: a rank stopped answering (hung, or dead) "
+                            f"[{str(e).strip().splitlines()[0]}]") from None
     finally:
         # Also when the run fails: a save in flight completes (and gets its manifest) before the
         # process group goes away under it.

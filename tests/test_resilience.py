@@ -1,10 +1,17 @@
-"""Preemption: a scheduler's SIGTERM (or SIGUSR1) to the whole job at a random step: every rank
-finishes the step, one complete checkpoint of it is written, every process is gone within the
-grace period, and the restarted job reproduces the remaining steps bitwise."""
+"""How a job dies on a cluster, and what it loses: nothing.
+
+- Preemption: a scheduler's SIGTERM (or SIGUSR1) to the whole job at a random step: every rank
+  finishes the step, one complete checkpoint of it is written, every process is gone within the
+  grace period, and the restarted job reproduces the remaining steps bitwise.
+- A save that fails (a full disk): one line, the older checkpoint intact, resumed bitwise.
+- A hung rank: the others fail within comm.timeout_seconds, naming the collective and the step.
+"""
 
 import json
 import os
 import random
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,3 +85,52 @@ def test_sigusr1_without_a_checkpoint_folder_says_nothing_was_saved(tmp_path):
     assert code == 128 + signal.SIGUSR1
     assert out.strip().splitlines()[-1].startswith("plait: stopped on SIGUSR1 after step ")
     assert "nothing saved (no checkpoint.folder)" in out
+
+
+def test_a_failed_save_is_one_line_and_loses_nothing(tmp_path):
+    """A file-size limit makes every write past 1 MiB fail as a full disk does (the checkpoint's
+    shard is ~6 MiB): no mount needed, the same on every machine."""
+    args, folder = ["--training.steps", "6", "--checkpoint.interval", "3"], ["--checkpoint.folder", str(tmp_path / "c")]
+    straight, _ = run_plait(tmp_path, *args, *folder)
+    shutil.rmtree(tmp_path / "c" / "step-6")  # back to the moment before the save that will fail
+    limit = 2**20
+    proc = subprocess.run([sys.executable, "-m", "plait", "train", *TINY, *args, *folder], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"plait: error: checkpoint: saving {tmp_path / 'c' / 'step-6'} failed (") and \
+        "a checkpoint of this job needs about 6 MiB" in last and "the checkpoints before it are intact" in last, last
+    assert (tmp_path / "c/step-3/plait.json").exists() and not (tmp_path / "c/step-6/plait.json").exists()
+    resumed, proc = run_plait(tmp_path, *args, *folder)
+    assert f"resumed from {tmp_path / 'c' / 'step-3'}" in proc.stdout
+    assert losses(resumed) == losses(straight)[3:]
+
+
+def test_a_hung_rank_ends_the_job_naming_the_collective_and_the_step(tmp_path):
+    """SIGSTOP: the rank neither answers nor dies. The other fails after comm.timeout_seconds;
+    torchrun then gives the stopped rank its 30 s to end before SIGKILL."""
+    timeout = 5
+    command = [sys.executable, "-m", "plait", "train", "--nproc", "2", *TINY, "--training.steps", "1000",
+               "--comm.timeout_seconds", str(timeout), "--metrics.log_interval", "1"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("step     3"):
+                break
+        [victim] = [pid for pid in descendants(proc.pid) if "\0RANK=1\0" in "\0" + open(f"/proc/{pid}/environ").read()]
+        stopped = time.perf_counter()
+        os.kill(victim, signal.SIGSTOP)
+        out += proc.stdout.readlines()
+        proc.wait(timeout=timeout + GRACE + 15)
+        seconds = time.perf_counter() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"\nhung rank: the job ended {seconds:.1f}s after SIGSTOP (comm.timeout_seconds={timeout})")
+    errors = [line for line in out if line.startswith("plait: error: step ")]
+    assert errors and f"did not complete within comm.timeout_seconds={timeout}: a rank stopped answering" in errors[0]
+    assert "the collective " in errors[0] and proc.returncode != 0
