@@ -51,9 +51,24 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     else:
         backend = "gloo"
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store (its agent's, or one rank 0 hosts), under a prefix of the restart attempt.
+
+    After `--max-restarts` brings a job back, its agent's store still holds the previous
+    attempt's keys: a restarted rank could read a dead peer's address from them and fail in
+    gloo's connectFullMesh, or wait on a barrier count that is already past. The prefix gives
+    every attempt keys of its own."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    return dist.PrefixStore(f"plait/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def set_threads(cfg: JobConfig) -> None:
