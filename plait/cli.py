@@ -32,10 +32,10 @@ subcommands:
 
 def train(argv: list[str]) -> int:
     cfg = parse_args(argv, prog="plait train")
-    if cfg.nproc > 1 and "RANK" not in os.environ:
+    if (cfg.nproc > 1 or cfg.max_restarts) and "RANK" not in os.environ:
         # Check options once here, so a mistake prints one line instead of one per rank.
         validate(cfg, cfg.nproc)
-        return launch_local(argv, cfg.nproc)
+        return launch_local(argv, cfg.nproc, cfg.max_restarts)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:
         raise ConfigError(f"nproc: {cfg.nproc} does not match torchrun's world size {os.environ['WORLD_SIZE']}")
     from plait.checkpoint import SaveFailed
@@ -54,7 +54,7 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def launch_local(argv: list[str], nproc: int) -> int:
+def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
     """`plait train --nproc N`: the same job under torchrun on this machine."""
     # torchrun would read a passed-through `--nproc` as an abbreviation of its own option.
     worker_argv, skip = [], False
@@ -66,7 +66,7 @@ def launch_local(argv: list[str], nproc: int) -> int:
         if not skip:
             worker_argv.append(arg)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "plait", "train", *worker_argv]
+               f"--max-restarts={max_restarts}", "-m", "plait", "train", *worker_argv]
     # A scheduler signals every process of the job, a container runtime only its first (this one):
     # SIGTERM and SIGUSR1 are forwarded to the workers, which save and stop (a duplicate changes
     # nothing). Not to torchrun's agent: it would die of SIGUSR1 before its workers could save.
@@ -82,12 +82,19 @@ def launch_local(argv: list[str], nproc: int) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
-    code = job.wait()
+    stopping = False
+    while job.poll() is None:
+        # Once the signalled workers have saved and gone, the agent goes too: it would restart them.
+        if signalled and not stopping and not any(_alive(pid) for pid in signalled):
+            stopping = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job.pid, signal.SIGTERM)
+        time.sleep(0.1)
     # torchrun can return while its workers still save (a second SIGTERM ends its wait early):
     # the job ends when its last worker does.
     while any(_alive(pid) for pid in signalled):
         time.sleep(0.1)
-    return code
+    return job.returncode
 
 
 def descendants(pid: int) -> list[int]:

@@ -194,6 +194,9 @@ class JobConfig:
     """a named config (see plait/configs) or a TOML file; its values are the defaults, flags win"""
     nproc: int = 1
     """local convenience: launch this many processes through torchrun"""
+    max_restarts: int = 0
+    """with nproc: bring the job back up to this many times after a process dies (torchrun --max-restarts); it
+    resumes from the newest complete checkpoint"""
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -355,6 +358,11 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if t.eval_interval and not cfg.data.val_path:
         raise ConfigError("training.eval_interval: set data.val_path too (what should the validation loss be measured on?)")
     c = cfg.checkpoint
+    if cfg.max_restarts < 0:
+        raise ConfigError(f"max_restarts: must be >= 0, got {cfg.max_restarts}")
+    if cfg.max_restarts and not (c.folder and c.interval):
+        raise ConfigError("max_restarts: set checkpoint.folder and checkpoint.interval too (a restarted job resumes "
+                          "from its newest checkpoint; without one it would start over)")
     if c.interval < 0 or c.keep_latest_k < 0:
         raise ConfigError("checkpoint.interval and checkpoint.keep_latest_k: must be >= 0")
     if c.interval and not c.folder:

@@ -134,3 +134,61 @@ def test_a_hung_rank_ends_the_job_naming_the_collective_and_the_step(tmp_path):
     errors = [line for line in out if line.startswith("plait: error: step ")]
     assert errors and f"did not complete within comm.timeout_seconds={timeout}: a rank stopped answering" in errors[0]
     assert "the collective " in errors[0] and proc.returncode != 0
+
+
+def test_a_killed_rank_under_max_restarts_resumes_and_finishes_bitwise(tmp_path, uninterrupted):
+    """`plait train --nproc 2 --max-restarts 1`: SIGKILL of rank 1 after step 5; torchrun brings the
+    job back, it resumes from step-3 and its per-step losses equal the uninterrupted run's."""
+    metrics = tmp_path / "m.jsonl"
+    command = [sys.executable, "-m", "plait", "train", "--nproc", "2", "--max-restarts", "1", *TINY, *STEPS, *FSDP2,
+               "--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "3", "--metrics.log_interval", "1",
+               "--metrics.jsonl", str(metrics)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("step     5"):
+                break
+        [victim] = [pid for pid in descendants(proc.pid) if "\0RANK=1\0" in "\0" + open(f"/proc/{pid}/environ").read()]
+        os.kill(victim, signal.SIGKILL)
+        out += proc.stdout.readlines()
+        assert proc.wait(timeout=180) == 0, "".join(out)[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert f"resumed from {tmp_path / 'c' / 'step-3'}" in "".join(out)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13)) and losses(rows) == uninterrupted
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_agents_with_the_c10d_rendezvous_are_one_job(tmp_path, train_once):
+    """Two torchrun agents of 2 ranks each, as two machines would run them (README: Multi-node):
+    one job of world 4, per-step losses bitwise those of one agent with 4 ranks (HSDP 2x2)."""
+    from conftest import LAYOUTS, layout_run
+
+    reference = losses(layout_run(train_once, "hsdp_w4")[0])
+    port, metrics = free_port(), tmp_path / "m.jsonl"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "plait-test",
+             "-m", "plait", "train", *TINY, "--training.steps", "6", *LAYOUTS["hsdp_w4"][1], "--metrics.jsonl", str(metrics)]
+    agents = [subprocess.Popen(agent, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [a.communicate(timeout=240)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert "HSDP" in "".join(outputs) and "dp_replicate': 2, 'dp_shard': 2" in "".join(outputs)
+    assert losses([json.loads(line) for line in metrics.read_text().splitlines()]) == reference
