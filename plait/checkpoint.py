@@ -80,9 +80,19 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
         diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
         raise ConfigError(f"{option}: {folder} holds another model ({manifest.get('flavor')}: {diff} in this run)")
     try:
-        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        metadata = FileSystemReader(str(folder)).read_metadata()
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise ConfigError(f"{option}: {folder} is unreadable: {e}") from None
+    saved = metadata.state_dict_metadata
+    ends: dict[str, int] = {}  # each data file must reach the end of the last item stored in it
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (folder / name).stat().st_size if (folder / name).exists() else None
+        if size is None or size < end:
+            raise ConfigError(f"{option}: {folder / name} is {'missing' if size is None else f'truncated ({size} bytes)'}"
+                              f", its checkpoint's metadata needs {end} bytes: the checkpoint is damaged; move "
+                              f"{folder} away to resume from the one before it")
     with torch.device("meta"):
         expected = {f"model.{k}": v.shape for k, v in Transformer(args).state_dict().items()}
     missing = sorted(set(expected) - set(saved))
@@ -144,6 +154,13 @@ def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path) -> None:
     init_weights(model, cfg.training.seed)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
     write_manifest(out, _manifest(cfg, args, "seed", 0))
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of what went wrong; of DCP's exception, which wraps every rank's, the first rank's."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class SaveFailed(RuntimeError):
@@ -228,7 +245,7 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=str(folder))
         except (Exception, CheckpointException) as e:
-            raise ConfigError(f"checkpoint: loading {folder} failed: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"checkpoint: loading {folder} failed: {_cause(e)}") from None
         set_model_state_dict(self.model, state["model"])
         if with_optimizer:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
@@ -300,10 +317,7 @@ class Checkpointer:
             elements = sum(p.numel() for p in Transformer(self.args).parameters())
         needed = 12 * elements  # parameters and both AdamW moments, in fp32
         free = shutil.disk_usage(self.root).free
-        if isinstance(error, CheckpointException) and error.failures:  # every rank's failure: the first
-            error = next(iter(error.failures.values()))[0]
-        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return SaveFailed(f"checkpoint: saving {folder} failed ({cause}); a checkpoint of this job needs about "
+        return SaveFailed(f"checkpoint: saving {folder} failed ({_cause(error)}); a checkpoint of this job needs about "
                           f"{needed / 2**20:,.0f} MiB and {self.root} has {free / 2**20:,.0f} MiB free; the "
                           f"unfinished folder has no manifest, the checkpoints before it are intact")
 

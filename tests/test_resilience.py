@@ -192,3 +192,17 @@ def test_two_agents_with_the_c10d_rendezvous_are_one_job(tmp_path, train_once):
     assert [a.returncode for a in agents] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert "HSDP" in "".join(outputs) and "dp_replicate': 2, 'dp_shard': 2" in "".join(outputs)
     assert losses([json.loads(line) for line in metrics.read_text().splitlines()]) == reference
+
+
+def test_a_truncated_checkpoint_is_one_line_at_start_up_and_is_not_touched(tmp_path):
+    folder = ["--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "3"]
+    run_plait(tmp_path, "--training.steps", "3", *folder)
+    shard = tmp_path / "c" / "step-3" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    before = {p.name: p.read_bytes() for p in shard.parent.iterdir()}
+    _, proc = run_plait(tmp_path, "--training.steps", "6", *folder, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"plait: error: checkpoint.folder: {shard} is truncated ({len(before[shard.name])} bytes), its checkpoint's "
+        f"metadata needs {len(before[shard.name]) + 100} bytes: the checkpoint is damaged; move {shard.parent} away to "
+        "resume from the one before it"]
+    assert {p.name: p.read_bytes() for p in shard.parent.iterdir()} == before
