@@ -25,7 +25,7 @@ from plait.arguments import parse
 
 JOB = ["--training.threads", "1", "--training.seq_len", "64", "--training.global_batch_size", "4",
        "--data.vocab_size", "512", "--training.mixed_precision_param", "float32", "--training.steps", "40",
-       "--parallelism.dp_shard", "2", "--checkpoint.interval", "3", "--metrics.log_interval", "1"]
+       "--parallelism.dp_shard", "2", "--metrics.log_interval", "1"]
 
 
 @dataclass
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         assert train(["--metrics.jsonl", str(reference)]).wait() == 0
     folder, metrics = out / "ckpt", out / "soak.jsonl"
     subprocess.run(["rm", "-rf", str(folder), str(metrics)], check=True)
-    job = ["--checkpoint.folder", str(folder), "--metrics.jsonl", str(metrics)]
+    job = ["--checkpoint.folder", str(folder), "--checkpoint.interval", "3", "--metrics.jsonl", str(metrics)]
     kinds, checked, corrupt = {"job SIGKILL": 0, "rank SIGKILL": 0, "job SIGTERM": 0}, 0, 0
     for cycle in range(args.cycles):
         proc = train(job)
