@@ -2,7 +2,8 @@
 
     python -m plait.proof.soak --cycles 20 --out /tmp/soak
 
-Each cycle starts the same world-2 job (FSDP2, debug model, checkpoints every 3 steps), waits a
+Each cycle starts the same world-2 job (FSDP2, debug model, 500 steps, checkpoints every 20 keeping
+the latest 3), waits a
 random time, then ends it one of three ways: SIGKILL of the whole job, SIGKILL of one rank (the
 other must end by itself), or SIGTERM to the whole job (preemption: a save, then exit). After
 each cycle every checkpoint that has a manifest must load; the finished job's per-step losses
@@ -24,7 +25,7 @@ from pathlib import Path
 from plait.arguments import parse
 
 JOB = ["--training.threads", "1", "--training.seq_len", "64", "--training.global_batch_size", "4",
-       "--data.vocab_size", "512", "--training.mixed_precision_param", "float32", "--training.steps", "40",
+       "--data.vocab_size", "512", "--training.mixed_precision_param", "float32", "--training.steps", "500",
        "--parallelism.dp_shard", "2", "--metrics.log_interval", "1"]
 
 
@@ -81,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         assert train(["--metrics.jsonl", str(reference)]).wait() == 0
     folder, metrics = out / "ckpt", out / "soak.jsonl"
     subprocess.run(["rm", "-rf", str(folder), str(metrics)], check=True)
-    job = ["--checkpoint.folder", str(folder), "--checkpoint.interval", "3", "--metrics.jsonl", str(metrics)]
+    job = ["--checkpoint.folder", str(folder), "--checkpoint.interval", "20", "--checkpoint.keep_latest_k", "3", "--metrics.jsonl", str(metrics)]
     kinds, checked, corrupt = {"job SIGKILL": 0, "rank SIGKILL": 0, "job SIGTERM": 0}, 0, 0
     for cycle in range(args.cycles):
         proc = train(job)
-        time.sleep(rng.uniform(4, 14))
+        time.sleep(rng.uniform(5, 25))
         kind = rng.choice(list(kinds))
         kinds[kind] += 1
         if kind == "rank SIGKILL" and (ranks := workers(proc.pid)):
