@@ -2,12 +2,11 @@
 
     python -m plait.proof.soak --cycles 20 --out /tmp/soak
 
-Each cycle starts the same world-2 job (FSDP2, debug model, 500 steps, checkpoints every 20 keeping
-the latest 3), waits a
-random time, then ends it one of three ways: SIGKILL of the whole job, SIGKILL of one rank (the
-other must end by itself), or SIGTERM to the whole job (preemption: a save, then exit). After
-each cycle every checkpoint that has a manifest must load; the finished job's per-step losses
-must equal an uninterrupted run's. Prints the counts.
+Each cycle starts the same world-2 job (FSDP2, debug model, 500 steps, checkpoints every 20,
+keeping the latest 3), waits a random time, then ends it one of three ways: SIGKILL of the whole
+job, SIGKILL of one rank (the other must end by itself), or SIGTERM to the whole job
+(preemption: a save, then exit). After each cycle every checkpoint that has a manifest must
+load; the finished job's per-step losses must equal an uninterrupted run's. Prints the counts.
 """
 
 from __future__ import annotations
