@@ -247,13 +247,15 @@ def test_bad_checkpoints_fail_clearly_and_leave_good_ones_alone(tmp_path, seed_c
     (tmp_path / "empty").mkdir()
     _, proc = run_plait(tmp_path, "--checkpoint.load", str(tmp_path / "empty"), check=False)
     assert proc.returncode == 2 and "has no plait.json" in proc.stderr
-    # Corrupt shard data: a clear error, and the checkpoint is still there untouched.
+    # Truncated shard data: one line before any process group, and the checkpoint is still there untouched.
     broken = tmp_path / "broken"
     shutil.copytree(seed_ckpt, broken)
     data_file = next(broken.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:1000])
     _, proc = run_plait(tmp_path, "--checkpoint.load", str(broken), check=False)
-    assert proc.returncode == 2 and "loading" in proc.stderr.splitlines()[-1] and data_file.stat().st_size == 1000
+    assert proc.returncode == 2 and data_file.stat().st_size == 1000
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"plait: error: checkpoint.load: {data_file} is truncated "
+                                                           "(1000 bytes), its checkpoint's metadata needs ")
     # seed-checkpoint never overwrites.
     proc = plait("seed-checkpoint", *TINY, "--out", str(seed_ckpt), check=False)
     assert proc.returncode == 2 and "refusing to overwrite" in proc.stderr
