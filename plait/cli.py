@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-
 from plait.arguments import parse
 from plait.config import ConfigError, parse_args, validate
 

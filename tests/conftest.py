@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from plait.cli import descendants  # noqa: F401 (for the tests: torchrun workers are grandchildren)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # One thread per rank in every run that is compared: the thread count changes summation order.
@@ -160,24 +162,6 @@ def val_losses(rows: list[dict]) -> list[float]:
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below `pid`, from /proc (torchrun's workers are grandchildren)."""
-    children = {}
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                ppid = int(open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(stat))
-    stack, found = [pid], []
-    while stack:
-        kids = children.get(stack.pop(), [])
-        found += kids
-        stack += kids
-    return sorted(found)
 
 
 def environ(pid: int) -> str:

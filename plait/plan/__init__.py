@@ -27,7 +27,6 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-
 from plait.arguments import parse
 from plait.config import ConfigError, JobConfig, parse_args, validate
 from plait.hardware import GPU_PEAK_TFLOPS
