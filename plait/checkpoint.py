@@ -18,6 +18,7 @@ import re
 import shutil
 import time
 from dataclasses import asdict
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from plait.model import ModelArgs, Transformer
 from plait.weights import fill_weights, init_weights
 
 MANIFEST = "plait.json"
+FORMAT = 1  # of the manifest and the state in it: a plait that reads an older format says so
 OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
 STEP_FOLDER = re.compile(r"step-(\d+)$")
 
@@ -75,6 +77,10 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
     if manifest is None:
         raise ConfigError(f"{option}: {folder} has no {MANIFEST}: not a plait checkpoint, or a save that never "
                           "completed")
+    if manifest.get("format", 1) > FORMAT:  # manifests before the field are format 1
+        raise ConfigError(f"{option}: {folder} was written by plait {manifest.get('plait')} in checkpoint format "
+                          f"{manifest['format']}; this plait ({version('plait')}) reads formats up to {FORMAT}: "
+                          "upgrade plait to resume it")
     if manifest["model_args"] != asdict(args):
         theirs, ours = manifest["model_args"], asdict(args)
         diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
@@ -133,7 +139,8 @@ def claim_folder(root: Path, identity: dict) -> None:
 
 
 def _manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) -> dict:
-    return {"kind": kind, "step": step, "flavor": cfg.model.flavor, "model_args": asdict(args), **extra}
+    return {"format": FORMAT, "plait": version("plait"), "kind": kind, "step": step, "flavor": cfg.model.flavor,
+            "model_args": asdict(args), **extra}
 
 
 def load_full_state_dict(folder: Path, args: ModelArgs) -> dict[str, torch.Tensor]:

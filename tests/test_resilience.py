@@ -5,6 +5,7 @@
   grace period, and the restarted job reproduces the remaining steps bitwise.
 - A save that fails (a full disk): one line, the older checkpoint intact, resumed bitwise.
 - A hung rank: the others fail within comm.timeout_seconds, naming the collective and the step.
+- A damaged checkpoint (a truncated shard, a newer plait's format): one line at start-up, untouched.
 """
 
 import json
@@ -206,3 +207,16 @@ def test_a_truncated_checkpoint_is_one_line_at_start_up_and_is_not_touched(tmp_p
         f"metadata needs {len(before[shard.name]) + 100} bytes: the checkpoint is damaged; move {shard.parent} away to "
         "resume from the one before it"]
     assert {p.name: p.read_bytes() for p in shard.parent.iterdir()} == before
+
+
+def test_a_checkpoint_of_a_newer_format_is_one_line(tmp_path):
+    folder = ["--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "2"]
+    run_plait(tmp_path, "--training.steps", "2", *folder)
+    manifest = tmp_path / "c" / "step-2" / "plait.json"
+    saved = json.loads(manifest.read_text())
+    assert saved["format"] == 1 and saved["plait"]
+    manifest.write_text(json.dumps({**saved, "format": 2, "plait": "9.0"}))
+    _, proc = run_plait(tmp_path, "--training.steps", "4", *folder, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"plait: error: checkpoint.folder: {manifest.parent} was written by plait 9.0 in checkpoint format 2; this plait "
+        f"({saved['plait']}) reads formats up to 1: upgrade plait to resume it"]
