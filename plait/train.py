@@ -214,7 +214,7 @@ def check_data_sizes(cfg: JobConfig, corpus) -> None:
     BatchLoader(corpus.sources, corpus.weights, t.seq_len, t.global_batch_size, t.micro_batch_size, 0, dp_degree(cfg),
                 t.seed)
     if t.eval_interval and (len(corpus.val) - 1) // t.seq_len < t.eval_steps * t.global_batch_size:
-        raise ConfigError(f"data.val_path: {cfg.data.val_path} has {(len(corpus.val) - 1) // t.seq_len} sequences of "
+        raise ConfigError(f"data.val_path: {corpus.val.label} has {(len(corpus.val) - 1) // t.seq_len} sequences of "
                           f"training.seq_len={t.seq_len}, fewer than training.eval_steps x global_batch_size = "
                           f"{t.eval_steps * t.global_batch_size}")
 

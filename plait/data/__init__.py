@@ -88,4 +88,4 @@ def open_source(path: str, cfg: Data, tokenizer: Tokenizer, option: str, texts: 
     with file_lock(folder.with_name(folder.name + ".lock")):
         if not (folder / MANIFEST).exists():
             write_folder(((text, len(text)) for text in texts), tokenizer, folder, path or "(bundled corpus)")
-    return TokenizedFolder(folder, option)
+    return TokenizedFolder(folder, option, label=path or "the bundled corpus")

@@ -59,7 +59,7 @@ class BatchLoader:
         for source, n in zip(sources, self.num_sequences):
             if n < global_batch_size:
                 raise ConfigError(
-                    f"{option}: {getattr(source, 'path', 'the corpus')} has {len(source)} tokens = {n} sequences of "
+                    f"{option}: {getattr(source, 'label', 'the corpus')} has {len(source)} tokens = {n} sequences of "
                     f"training.seq_len={seq_len}, fewer than training.global_batch_size={global_batch_size}")
         self.weights = [w / sum(weights) for w in weights]
         self.share = global_batch_size // dp_size

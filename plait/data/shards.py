@@ -189,8 +189,9 @@ def _encode_shard(tokenizer: Tokenizer | None, eos: int, dtype: str, out: Path, 
 class TokenizedFolder:
     """The token stream of a tokenized folder: its shards end to end, memory-mapped on first use."""
 
-    def __init__(self, path: str | Path, option: str = "data.path"):
+    def __init__(self, path: str | Path, option: str = "data.path", label: str = ""):
         self.path = Path(path)
+        self.label = label or str(path)  # what errors call it: the user's raw-text path for a cache entry
         manifest = _read_json(self.path / MANIFEST)
         if manifest is None:
             unfinished = (self.path / PARTIAL).exists()
