@@ -53,6 +53,9 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
 def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
     """`plait train --nproc N`: the same job under torchrun on this machine."""
     # torchrun would read a passed-through `--nproc` as an abbreviation of its own option.
@@ -64,11 +67,13 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
         skip = arg == "--nproc"
         if not skip:
             worker_argv.append(arg)
+    # torchrun's agent handles SIGUSR1 too (by default it would die of it before its workers save).
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", "-m", "plait", "train", *worker_argv]
+               f"--max-restarts={max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}", "-m", "plait", "train",
+               *worker_argv]
     # A scheduler signals every process of the job, a container runtime only its first (this one):
     # SIGTERM and SIGUSR1 are forwarded to the workers, which save and stop (a duplicate changes
-    # nothing). Not to torchrun's agent: it would die of SIGUSR1 before its workers could save.
+    # nothing).
     job = subprocess.Popen(command)
     signalled: list[int] = []
 
