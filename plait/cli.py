@@ -89,14 +89,14 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
     stopping = False
     while job.poll() is None:
         # Once the signalled workers have saved and gone, the agent goes too: it would restart them.
-        if signalled and not stopping and not any(_alive(pid) for pid in signalled):
+        if signalled and not stopping and not any(alive(pid) for pid in signalled):
             stopping = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(job.pid, signal.SIGTERM)
         time.sleep(0.1)
     # torchrun can return while its workers still save (a second SIGTERM ends its wait early):
     # the job ends when its last worker does.
-    while any(_alive(pid) for pid in signalled):
+    while any(alive(pid) for pid in signalled):
         time.sleep(0.1)
     return job.returncode
 
@@ -117,7 +117,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:

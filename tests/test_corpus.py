@@ -5,19 +5,19 @@ import json
 import random
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, losses, run_plait
+from conftest import losses, run_plait
 from plait.cli import main
 from plait.config import ConfigError, Data, mix_sources
 from plait.data import BatchLoader, open_data, shards
 from plait.data.documents import iter_documents
 from plait.data.tokenize import main as tokenize_main
 from plait.data.tokenizer import load_tokenizer
+from plait.proof.data_bench import startup
 
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "tu") for b in ("n", "r", "s", "", "th", "m")]
 
@@ -100,37 +100,14 @@ def test_training_from_the_folder_equals_training_from_the_raw_text(corpus, tmp_
     assert losses(folder) == losses(raw)
 
 
-STARTUP = """
-import sys, time
-from plait.config import Data
-from plait.data import BatchLoader, open_data
-
-def kib(field):
-    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
-
-before, start = kib("VmRSS:"), time.perf_counter()
-corpus = open_data(Data(path=sys.argv[1], tokenizer=sys.argv[2]))
-BatchLoader(corpus.sources, corpus.weights, 64, 4, 4, 0, 1, 0).next_batches()
-print((kib("VmHWM:") - before) / 1024, time.perf_counter() - start)
-"""
-
-
-def startup(path: Path, tokenizer: str) -> tuple[float, float]:
-    """(peak RSS growth in MiB, seconds) of opening `path` and reading one batch, in a fresh
-    process, after the imports (the same for every corpus)."""
-    out = subprocess.run([sys.executable, "-c", STARTUP, str(path), tokenizer], capture_output=True, text=True,
-                         cwd=ROOT, check=True).stdout.split()
-    return float(out[0]), float(out[1])
-
-
 def test_startup_does_not_grow_with_the_corpus(corpus, tmp_path):
     big = write_jsonl(tmp_path / "big.jsonl", 20000, seed=1)  # 10x the corpus
     tokenizer = str(corpus / "w1" / "tokenizer.json")
     assert main(["tokenize", "--data.path", str(big), "--data.tokenizer", tokenizer, "--out", str(tmp_path / "big"),
                  "--workers", "2", "--shard_mb", "0.2"]) == 0
     for raw in (corpus / "c.jsonl", big):
-        startup(raw, tokenizer)  # a raw text's first start tokenizes it into the cache
-    measured = {(kind, size): startup(path, tokenizer) for kind, size, path in [
+        startup(raw, tokenizer, 64, 4)  # a raw text's first start tokenizes it into the cache
+    measured = {(kind, size): startup(path, tokenizer, 64, 4) for kind, size, path in [
         ("tokenized", "2k", corpus / "w1"), ("tokenized", "20k", tmp_path / "big"),
         ("raw", "2k", corpus / "c.jsonl"), ("raw", "20k", big)]}
     print("\nstart-up (open + first batch): " + ", ".join(

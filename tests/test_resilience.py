@@ -21,6 +21,7 @@ import time
 import pytest
 
 from conftest import ROOT, TINY, descendants, losses, run_plait
+from plait.cli import alive
 
 pytestmark = pytest.mark.slow
 STEPS = ["--training.steps", "12"]
@@ -34,25 +35,35 @@ def uninterrupted(tmp_path_factory):
     return losses(rows)
 
 
-def signal_at_random_step(command: list[str], signum: int, metrics) -> tuple[int, str, int, float]:
+def start_until_step(command: list[str], step: int) -> tuple[subprocess.Popen, list[str]]:
+    """Start `command` in a process group of its own; return once it printed step `step`'s line."""
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith(f"step {step:5d}"):
+            break
+    return proc, out
+
+
+def rank_pid(proc: subprocess.Popen, rank: int) -> int:
+    [pid] = [p for p in descendants(proc.pid) if f"\0RANK={rank}\0" in "\0" + open(f"/proc/{p}/environ").read()]
+    return pid
+
+
+def signal_at_random_step(command: list[str], signum: int) -> tuple[int, str, int, float]:
     """Run `command` in a process group of its own; at a random step (3-8) send `signum` to the
     whole group, as a scheduler does. Returns (that step, the output, exit code, seconds to end)."""
     at = random.randint(3, 8)
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc, out = start_until_step(command, at)
     try:
-        out = []
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith(f"step {at:5d}"):
-                break
         everyone = [proc.pid, *descendants(proc.pid)]
         sent = time.perf_counter()
         os.killpg(proc.pid, signum)
         out += proc.stdout.readlines()
         code = proc.wait(timeout=GRACE)
-        while any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
-                  for pid in everyone) and time.perf_counter() - sent < GRACE:
+        while any(alive(pid) for pid in everyone) and time.perf_counter() - sent < GRACE:
             time.sleep(0.1)
         return at, "".join(out), code, time.perf_counter() - sent
     finally:
@@ -67,7 +78,7 @@ def test_sigterm_saves_the_step_and_the_restart_is_bitwise(tmp_path, uninterrupt
              "--metrics.log_interval", "1", "--metrics.jsonl", str(metrics)]
     start = [sys.executable, "-m", "plait", "train", "--nproc", "2"] if launcher == "plait" else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "plait", "train"]
-    at, out, code, seconds = signal_at_random_step([*start, *train], signal.SIGTERM, metrics)
+    at, out, code, seconds = signal_at_random_step([*start, *train], signal.SIGTERM)
     done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1]
     print(f"\n{launcher}: SIGTERM at step {at}, saved step {done}, every process gone after {seconds:.1f}s")
     assert seconds < GRACE and code != 0
@@ -82,7 +93,7 @@ def test_sigterm_saves_the_step_and_the_restart_is_bitwise(tmp_path, uninterrupt
 
 def test_sigusr1_without_a_checkpoint_folder_says_nothing_was_saved(tmp_path):
     command = [sys.executable, "-m", "plait", "train", *TINY, *STEPS, "--metrics.log_interval", "1"]
-    at, out, code, _ = signal_at_random_step(command, signal.SIGUSR1, None)
+    at, out, code, _ = signal_at_random_step(command, signal.SIGUSR1)
     assert code == 128 + signal.SIGUSR1
     assert out.strip().splitlines()[-1].startswith("plait: stopped on SIGUSR1 after step ")
     assert "nothing saved (no checkpoint.folder)" in out
@@ -114,17 +125,10 @@ def test_a_hung_rank_ends_the_job_naming_the_collective_and_the_step(tmp_path):
     timeout = 5
     command = [sys.executable, "-m", "plait", "train", "--nproc", "2", *TINY, "--training.steps", "1000",
                "--comm.timeout_seconds", str(timeout), "--metrics.log_interval", "1"]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc, out = start_until_step(command, 3)
     try:
-        out = []
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith("step     3"):
-                break
-        [victim] = [pid for pid in descendants(proc.pid) if "\0RANK=1\0" in "\0" + open(f"/proc/{pid}/environ").read()]
         stopped = time.perf_counter()
-        os.kill(victim, signal.SIGSTOP)
+        os.kill(rank_pid(proc, 1), signal.SIGSTOP)
         out += proc.stdout.readlines()
         proc.wait(timeout=timeout + GRACE + 15)
         seconds = time.perf_counter() - stopped
@@ -144,16 +148,9 @@ def test_a_killed_rank_under_max_restarts_resumes_and_finishes_bitwise(tmp_path,
     command = [sys.executable, "-m", "plait", "train", "--nproc", "2", "--max-restarts", "1", *TINY, *STEPS, *FSDP2,
                "--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "3", "--metrics.log_interval", "1",
                "--metrics.jsonl", str(metrics)]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc, out = start_until_step(command, 5)
     try:
-        out = []
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith("step     5"):
-                break
-        [victim] = [pid for pid in descendants(proc.pid) if "\0RANK=1\0" in "\0" + open(f"/proc/{pid}/environ").read()]
-        os.kill(victim, signal.SIGKILL)
+        os.kill(rank_pid(proc, 1), signal.SIGKILL)
         out += proc.stdout.readlines()
         assert proc.wait(timeout=180) == 0, "".join(out)[-3000:]
     finally:

@@ -28,10 +28,11 @@ from plait.data import BatchLoader, open_data
 def kib(field):
     return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
 
+path, tokenizer, seq_len, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 before, start = kib("VmRSS:"), time.perf_counter()
-corpus = open_data(Data(path=sys.argv[1], tokenizer=sys.argv[2]))
-BatchLoader(corpus.sources, corpus.weights, 2048, 8, 8, 0, 1, 0).next_batches()
-print(kib("VmHWM:") - before, time.perf_counter() - start)
+corpus = open_data(Data(path=path, tokenizer=tokenizer))
+BatchLoader(corpus.sources, corpus.weights, seq_len, batch, batch, 0, 1, 0).next_batches()
+print((kib("VmHWM:") - before) / 1024, time.perf_counter() - start)
 """
 
 
@@ -64,10 +65,12 @@ def generate(path: Path, megabytes: int, seed: int = 0) -> None:
     os.replace(tmp, path)
 
 
-def startup(path: Path, tokenizer: Path) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, "-c", STARTUP, str(path), str(tokenizer)], capture_output=True, text=True,
-                         check=True).stdout.split()
-    return int(out[0]) / 1024, float(out[1])
+def startup(path: Path, tokenizer: Path, seq_len: int = 2048, batch: int = 8) -> tuple[float, float]:
+    """(peak RSS growth in MiB, seconds) of opening `path` and reading one batch, in a fresh
+    process, after the imports (the same for every corpus)."""
+    out = subprocess.run([sys.executable, "-c", STARTUP, str(path), str(tokenizer), str(seq_len), str(batch)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), float(out[1])
 
 
 def main(argv: list[str] | None = None) -> int:
