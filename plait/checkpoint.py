@@ -2,9 +2,10 @@
 
 A checkpoint is a folder written by `torch.distributed.checkpoint` (DCP) — each rank writes its
 own shards, and any other layout can read them back (DCP reshards on load) — plus `plait.json`,
-the manifest: model shape, step, data-loader and LR-schedule state, RNG state. The manifest is
-written last, atomically, by rank 0 once every rank's data is on disk, so a folder without one
-is never taken as complete: a crash mid-save can leave debris, never a checkpoint.
+the manifest: model shape, step, data-loader and LR-schedule state, RNG state, and the sha256 of
+every file (`plait.digests`). The manifest is written last, atomically, by rank 0 once every
+rank's data is on disk, so a folder without one is never taken as complete: a crash mid-save can
+leave debris, never a checkpoint.
 
 Nothing here unpickles user data: tensors go through DCP, everything else is JSON.
 """
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
@@ -30,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from plait import hf
+from plait import digests, hf
 from plait.config import ConfigError, JobConfig
 from plait.model import ModelArgs, Transformer
 from plait.weights import fill_weights, init_weights
@@ -97,8 +99,11 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
         size = (folder / name).stat().st_size if (folder / name).exists() else None
         if size is None or size < end:
             raise ConfigError(f"{option}: {folder / name} is {'missing' if size is None else f'truncated ({size} bytes)'}"
-                              f", its checkpoint's metadata needs {end} bytes: the checkpoint is damaged; move "
-                              f"{folder} away to resume from the one before it")
+                              f", its checkpoint's metadata needs {end} bytes: {damaged(folder)}")
+    undigested = sorted(set(ends) - set(manifest.get("digests", ends)))  # checkpoints before digests have none
+    if undigested:
+        raise ConfigError(f"{option}: {folder}'s {MANIFEST} has no digest of {undigested[0]}, which its DCP metadata "
+                          f"names: the manifest belongs to another save; {damaged(folder)}")
     with torch.device("meta"):
         expected = {f"model.{k}": v.shape for k, v in Transformer(args).state_dict().items()}
     missing = sorted(set(expected) - set(saved))
@@ -107,6 +112,22 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
     if missing or wrong:
         raise ConfigError(f"{option}: {folder} does not match the model: missing {missing[:3]}, wrong shapes {wrong[:3]}")
     return manifest
+
+
+def damaged(folder: Path) -> str:
+    return f"the checkpoint is damaged; move {folder} away to resume from the one before it"
+
+
+def verify(folder: Path, option: str, rank: int = 0, world: int = 1) -> None:
+    """Every file of `folder` against its digest in the manifest, each rank hashing its share;
+    with a process group, every rank raises the same one line if any share failed."""
+    failure = digests.first_mismatch(folder, read_manifest(folder).get("digests"), rank, world)
+    if world > 1:
+        failures = [None] * world
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f), None)
+    if failure:
+        raise ConfigError(f"{option}: {failure}: {damaged(folder)}")
 
 
 def job_identity(cfg: JobConfig, args: ModelArgs, tokens_sha256: str) -> dict:
@@ -143,8 +164,9 @@ def _manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) ->
             "model_args": asdict(args), **extra}
 
 
-def load_full_state_dict(folder: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
+def load_full_state_dict(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
     """A checkpoint's model weights as one full CPU state dict, in one process (no process group)."""
+    verify(folder, option)
     state = Transformer(args).state_dict()
     try:
         dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
@@ -160,7 +182,7 @@ def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path) -> None:
     model = Transformer(args)
     init_weights(model, cfg.training.seed)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
-    write_manifest(out, _manifest(cfg, args, "seed", 0))
+    write_manifest(out, _manifest(cfg, args, "seed", 0, digests=digests.collect(out, 0, 1, timeout=0)))
 
 
 def _cause(error: BaseException) -> str:
@@ -195,6 +217,7 @@ class Checkpointer:
             # The background save runs collectives while training runs its own: a group of its
             # own keeps the two streams of collectives from interleaving on one communicator.
             self.save_group = dist.new_group(backend="gloo")
+            self.hasher = ThreadPoolExecutor(1, thread_name_prefix="plait-digests")
 
     def _state(self, with_optimizer: bool) -> dict:
         state = {"model": get_model_state_dict(self.model)}
@@ -213,10 +236,10 @@ class Checkpointer:
                 state = hf.HFWeights(load, self.args, "checkpoint.load")
                 fill_weights(getattr(self.model, "module", self.model), lambda name, shape: state[name])
             elif load is not None:
-                self._load(load, with_optimizer=False)
+                self._load(load, with_optimizer=False, option="checkpoint.load")
             return 0
         start = time.perf_counter()
-        manifest = self._load(folder, with_optimizer=True)
+        manifest = self._load(folder, with_optimizer=True, option="checkpoint.folder")
         self.loader.load_state_dict(manifest["loader"])
         self.scheduler.load_state_dict(manifest["scheduler"])
         self._apply_hyperparameters(manifest.get("hyperparameters", {}))
@@ -246,7 +269,8 @@ class Checkpointer:
             print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former)",
                   flush=True)
 
-    def _load(self, folder: Path, with_optimizer: bool) -> dict:
+    def _load(self, folder: Path, with_optimizer: bool, option: str) -> dict:
+        verify(folder, option, dist.get_rank(), dist.get_world_size())
         manifest = read_manifest(folder)
         state = self._state(with_optimizer)
         try:
@@ -289,14 +313,23 @@ class Checkpointer:
         if not asynchronous:
             try:
                 dcp.save(self._state(with_optimizer=True), checkpoint_id=str(folder))
+                found = self._digests(None, folder)
             except (Exception, CheckpointException) as e:
                 raise self._save_failed(folder, e) from None
-            self._complete(folder, manifest, start, time.perf_counter() - start)
+            self._complete(folder, manifest, found, start, time.perf_counter() - start)
         else:
             response = dcp.async_save(self._state(with_optimizer=True), checkpoint_id=str(folder),
                                       async_stager=self.stager, process_group=self.save_group)
             self.staging = response.staging_completion
-            self.pending = (response.upload_completion, folder, manifest, start, time.perf_counter() - start)
+            finished = self.hasher.submit(self._digests, response.upload_completion, folder)
+            self.pending = (finished, folder, manifest, start, time.perf_counter() - start)
+
+    def _digests(self, upload, folder: Path) -> dict[str, str] | None:
+        """Once this rank's part of the save is on disk (`upload` done), hash it; on rank 0 wait
+        for every rank's digests and return them all."""
+        if upload is not None:
+            upload.result()
+        return digests.collect(folder, dist.get_rank(), dist.get_world_size(), self.cfg.comm.timeout_seconds)
 
     def wait_for_staging(self) -> None:
         """Call before anything changes parameters or optimizer state in place (the optimizer
@@ -312,10 +345,10 @@ class Checkpointer:
         self.pending = None
         self.wait_for_staging()
         try:
-            future.result()
+            found = future.result()
         except (Exception, CheckpointException) as e:
             raise self._save_failed(folder, e) from None
-        self._complete(folder, manifest, start, blocking)
+        self._complete(folder, manifest, found, start, blocking)
 
     def _save_failed(self, folder: Path, error: BaseException) -> "SaveFailed":
         """One line: the folder, why, what a checkpoint of this job needs and what is free there.
@@ -328,11 +361,11 @@ class Checkpointer:
                           f"{needed / 2**20:,.0f} MiB and {self.root} has {free / 2**20:,.0f} MiB free; the "
                           f"unfinished folder has no manifest, the checkpoints before it are intact")
 
-    def _complete(self, folder: Path, manifest: dict, start: float, blocking: float) -> None:
-        # Rank 0's save returns after the coordinator wrote DCP's metadata, i.e. after every
-        # rank's shards are on disk: only then is the manifest written.
+    def _complete(self, folder: Path, manifest: dict, found: dict | None, start: float, blocking: float) -> None:
+        # Rank 0 has every rank's digests, so every rank's files are on disk (and DCP's metadata,
+        # which rank 0 writes last): only now is the manifest written.
         if dist.get_rank() == 0:
-            write_manifest(folder, manifest)
+            write_manifest(folder, {**manifest, "digests": found})
             self._prune()
             print(f"plait: checkpoint {folder} complete after {time.perf_counter() - start:.2f}s; training was "
                   f"blocked {blocking:.2f}s", flush=True)
@@ -349,3 +382,4 @@ class Checkpointer:
         self._finish_pending(block=True)
         if self.stager is not None:
             self.stager.close()
+            self.hasher.shutdown()

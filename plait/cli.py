@@ -197,7 +197,7 @@ def export(argv: list[str]) -> int:
         raise ConfigError(f"checkpoint: {opts.checkpoint} is not a complete plait checkpoint")
     args = ModelArgs(**manifest["model_args"])
     check_compatible(Path(opts.checkpoint), args, "checkpoint")
-    hf.export(load_full_state_dict(Path(opts.checkpoint), args), args, Path(opts.out), getattr(torch, opts.dtype))
+    hf.export(load_full_state_dict(Path(opts.checkpoint), args, "checkpoint"), args, Path(opts.out), getattr(torch, opts.dtype))
     print(f"plait: exported {opts.checkpoint} (step {manifest['step']}) to {opts.out} as Hugging Face Llama, {opts.dtype}")
     return 0
 

@@ -42,7 +42,7 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
     args = ModelArgs(**read_manifest(seed_ckpt)["model_args"])
     model = Transformer(args)
     init_weights(model, seed=5)
-    saved = load_full_state_dict(seed_ckpt, args)
+    saved = load_full_state_dict(seed_ckpt, args, "seed")
     assert all(torch.equal(saved[name], value) for name, value in model.state_dict().items())
 
     load = ["--training.steps", "2", "--checkpoint.load", str(seed_ckpt)]
@@ -256,6 +256,17 @@ def test_bad_checkpoints_fail_clearly_and_leave_good_ones_alone(tmp_path, seed_c
     assert proc.returncode == 2 and data_file.stat().st_size == 1000
     assert proc.stderr.strip().splitlines()[-1].startswith(f"plait: error: checkpoint.load: {data_file} is truncated "
                                                            "(1000 bytes), its checkpoint's metadata needs ")
+    # One flipped bit: found by its digest before any weight is read, in one line.
+    flipped = tmp_path / "flipped"
+    shutil.copytree(seed_ckpt, flipped)
+    data_file = next(flipped.glob("*.distcp"))
+    data = bytearray(data_file.read_bytes())
+    data[-1] ^= 0x80
+    data_file.write_bytes(bytes(data))
+    _, proc = run_plait(tmp_path, "--checkpoint.load", str(flipped), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"plait: error: checkpoint.load: {data_file} does not match the sha256 its manifest recorded at save time: "
+        f"the checkpoint is damaged; move {flipped} away to resume from the one before it"]
     # seed-checkpoint never overwrites.
     proc = plait("seed-checkpoint", *TINY, "--out", str(seed_ckpt), check=False)
     assert proc.returncode == 2 and "refusing to overwrite" in proc.stderr
@@ -271,7 +282,7 @@ def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_
     plait("export", "--checkpoint", str(seed_ckpt), "--out", str(out), "--dtype", "float32")
     args = ModelArgs(**read_manifest(seed_ckpt)["model_args"])
     ours = Transformer(args)
-    ours.load_state_dict(load_full_state_dict(seed_ckpt, args))
+    ours.load_state_dict(load_full_state_dict(seed_ckpt, args, "seed"))
     theirs = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

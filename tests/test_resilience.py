@@ -5,7 +5,8 @@
   grace period, and the restarted job reproduces the remaining steps bitwise.
 - A save that fails (a full disk): one line, the older checkpoint intact, resumed bitwise.
 - A hung rank: the others fail within comm.timeout_seconds, naming the collective and the step.
-- A damaged checkpoint (a truncated shard, a newer plait's format): one line at start-up, untouched.
+- A damaged checkpoint (a truncated or bit-flipped shard, a newer plait's format): one line at
+  start-up, untouched.
 """
 
 import json
@@ -203,6 +204,25 @@ def test_a_truncated_checkpoint_is_one_line_at_start_up_and_is_not_touched(tmp_p
         f"plait: error: checkpoint.folder: {shard} is truncated ({len(before[shard.name])} bytes), its checkpoint's "
         f"metadata needs {len(before[shard.name]) + 100} bytes: the checkpoint is damaged; move {shard.parent} away to "
         "resume from the one before it"]
+    assert {p.name: p.read_bytes() for p in shard.parent.iterdir()} == before
+
+
+def test_a_bit_flipped_shard_is_found_at_resume_and_is_not_touched(tmp_path):
+    """Written by an asynchronous save at world 2 (digests hashed in the background); at resume
+    rank 1 hashes __0_0.distcp (the files are shared out), and both ranks stop on its verdict."""
+    folder = ["--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "2", "--checkpoint.async_mode",
+              "async", *FSDP2]
+    run_plait(tmp_path, "--training.steps", "2", *folder, nproc=2)
+    shard = tmp_path / "c" / "step-2" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x04  # one bit, in the middle of the tensors
+    shard.write_bytes(data)
+    before = {p.name: p.read_bytes() for p in shard.parent.iterdir()}
+    _, proc = run_plait(tmp_path, "--training.steps", "4", *folder, nproc=2, check=False)
+    line = (f"plait: error: checkpoint.folder: {shard} does not match the sha256 its manifest recorded at save time: "
+            f"the checkpoint is damaged; move {shard.parent} away to resume from the one before it")
+    assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-3000:]  # once per rank
+    assert "step     3" not in proc.stdout
     assert {p.name: p.read_bytes() for p in shard.parent.iterdir()} == before
 
 

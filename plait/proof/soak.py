@@ -58,7 +58,7 @@ def _environ(pid: int) -> str:
 
 def complete_checkpoints_load(folder: Path) -> tuple[int, int]:
     """(checkpoints with a manifest, those of them that do not load)."""
-    from plait.checkpoint import check_compatible, read_manifest
+    from plait.checkpoint import check_compatible, read_manifest, verify
     from plait.config import ConfigError
     from plait.model import ModelArgs
 
@@ -67,6 +67,7 @@ def complete_checkpoints_load(folder: Path) -> tuple[int, int]:
     for p in complete:
         try:
             check_compatible(p, ModelArgs(**read_manifest(p)["model_args"]), "soak")
+            verify(p, "soak")
         except ConfigError:
             bad += 1
     return len(complete), bad

@@ -1,0 +1,63 @@
+"""Digests of a checkpoint's files, so that a bit flipped on disk is found at resume, not trained on.
+
+DCP stores no checksums. After a save, each rank hashes the files it wrote itself (in async mode
+in the background, after its upload: training does not wait for it) and leaves the digests in a
+sidecar; rank 0 gathers every rank's into the manifest, which is written last. At resume the
+ranks share the files out and each hashes its share: the checkpoint is read once in all, not
+once per rank, before DCP reads it again to load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+SIDECAR = ".digests-{rank}.json"
+METADATA = ".metadata"  # DCP's, written by the coordinator (rank 0)
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # releases the GIL: a background thread is cheap
+
+
+def written_by(folder: Path, rank: int) -> list[str]:
+    """The files of `folder` that `rank` wrote (DCP names its data files __{rank}_{i}.distcp)."""
+    return sorted(p.name for p in folder.glob(f"__{rank}_*.distcp")) + ([METADATA] if rank == 0 else [])
+
+
+def collect(folder: Path, rank: int, world: int, timeout: float) -> dict[str, str] | None:
+    """Call on every rank once its part of a save is on disk. Returns, on rank 0, the digest of
+    every file of the checkpoint once every rank has left its own (None on the others)."""
+    own = {name: sha256(folder / name) for name in written_by(folder, rank)}
+    tmp = folder / f".{SIDECAR.format(rank=rank)}.tmp"
+    tmp.write_text(json.dumps(own))
+    os.replace(tmp, folder / SIDECAR.format(rank=rank))
+    if rank != 0:
+        return None
+    deadline = time.monotonic() + timeout
+    sidecars = [folder / SIDECAR.format(rank=r) for r in range(world)]
+    for r, sidecar in enumerate(sidecars):
+        while not sidecar.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {r} left no digests of its files within {timeout:g}s")
+            time.sleep(0.01)
+    digests = {}
+    for sidecar in sidecars:
+        digests.update(json.loads(sidecar.read_text()))
+        sidecar.unlink()
+    return digests
+
+
+def first_mismatch(folder: Path, digests: dict[str, str] | None, rank: int = 0, world: int = 1) -> str | None:
+    """Hash this rank's share of the files (every world-th); the first that does not match its
+    digest, as the start of a sentence, or None. Checkpoints written before digests pass."""
+    for name in sorted(digests or {})[rank::world]:
+        if not (folder / name).exists():
+            return f"{folder / name} is missing"
+        if sha256(folder / name) != digests[name]:
+            return f"{folder / name} does not match the sha256 its manifest recorded at save time"
+    return None
