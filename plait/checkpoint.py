@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from importlib.metadata import version
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from plait import digests, hf
 from plait.config import ConfigError, JobConfig
+from plait.hf.tokenizer import TOKENIZER
 from plait.model import ModelArgs, Transformer
 from plait.weights import fill_weights, init_weights
 
@@ -83,8 +86,8 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
         raise ConfigError(f"{option}: {folder} was written by plait {manifest.get('plait')} in checkpoint format "
                           f"{manifest['format']}; this plait ({version('plait')}) reads formats up to {FORMAT}: "
                           "upgrade plait to resume it")
-    if manifest["model_args"] != asdict(args):
-        theirs, ours = manifest["model_args"], asdict(args)
+    if saved_model(manifest) != asdict(args):
+        theirs, ours = saved_model(manifest), asdict(args)
         diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
         raise ConfigError(f"{option}: {folder} holds another model ({manifest.get('flavor')}: {diff} in this run)")
     try:
@@ -130,6 +133,12 @@ def verify(folder: Path, option: str, rank: int = 0, world: int = 1) -> None:
         raise ConfigError(f"{option}: {failure}: {damaged(folder)}")
 
 
+def saved_model(record: dict) -> dict:
+    """A manifest's (or owner file's) model_args with the fields added since it was written at
+    their defaults: the same model reads as the same."""
+    return asdict(ModelArgs(**record["model_args"])) if "model_args" in record else {}
+
+
 def job_identity(cfg: JobConfig, args: ModelArgs, tokens_sha256: str) -> dict:
     """What makes two runs one job, whose checkpoints they may share: the model, the token stream
     (corpus and tokenizer, by content), the seed and the batch shape. Layout, steps, lr and the
@@ -144,6 +153,7 @@ def check_owner(root: str, identity: dict) -> None:
     would delete each other's saves in flight as debris, prune each other's checkpoints and
     resume from each other's."""
     owner = _read_json(Path(root) / OWNER) if root else None
+    owner = {**owner, "model_args": saved_model(owner)} if owner is not None else None
     if owner is not None and owner != identity:
         differ = [f"{k} {owner.get(k)} vs {v}" if k != "model_args" else "model_args" for k, v in identity.items()
                   if owner.get(k) != v]
@@ -169,19 +179,24 @@ def load_full_state_dict(folder: Path, args: ModelArgs, option: str) -> dict[str
     verify(folder, option)
     state = Transformer(args).state_dict()
     try:
-        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+        with warnings.catch_warnings():  # that no_dist means one process is what is meant here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
     except (Exception, CheckpointException) as e:
         raise ConfigError(f"checkpoint: loading {folder} failed: {str(e).splitlines()[0]}") from None
     return state
 
 
-def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path) -> None:
+def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path, tokenizer: Tokenizer) -> None:
     """Model weights only, initialised from training.seed in one process with no process group."""
     if read_manifest(out) is not None:
         raise ConfigError(f"out: {out} already holds a checkpoint; refusing to overwrite it")
     model = Transformer(args)
     init_weights(model, cfg.training.seed)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
+    tokenizer.save(str(out / TOKENIZER))
     write_manifest(out, _manifest(cfg, args, "seed", 0, digests=digests.collect(out, 0, 1, timeout=0)))
 
 
@@ -199,8 +214,9 @@ class SaveFailed(RuntimeError):
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and restores at start-up (see `restore`)."""
 
-    def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader, identity: dict):
-        self.cfg, self.args, self.identity = cfg, args, identity
+    def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader, identity: dict,
+                 tokenizer: Tokenizer):
+        self.cfg, self.args, self.identity, self.tokenizer = cfg, args, identity, tokenizer
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.root = Path(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
         if self.root is not None and dist.get_rank() == 0:
@@ -326,9 +342,12 @@ class Checkpointer:
 
     def _digests(self, upload, folder: Path) -> dict[str, str] | None:
         """Once this rank's part of the save is on disk (`upload` done), hash it; on rank 0 wait
-        for every rank's digests and return them all."""
+        for every rank's digests and return them all. (Rank 0 adds the run's tokenizer: a
+        checkpoint keeps what it was trained with, so an export or `plait generate` needs no more.)"""
         if upload is not None:
             upload.result()
+        if dist.get_rank() == 0:
+            self.tokenizer.save(str(folder / TOKENIZER))
         return digests.collect(folder, dist.get_rank(), dist.get_world_size(), self.cfg.comm.timeout_seconds)
 
     def wait_for_staging(self) -> None:

@@ -22,6 +22,7 @@ subcommands:
   tokenize         tokenize a corpus once into a folder to train from: plait tokenize --data.path SRC --out DIR
   seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
+  generate         continue a text: plait generate --checkpoint DIR --prompt TEXT [--temperature 0]
   bench            measure layouts x precisions side by side (plait bench --help)
   compare          train under several layouts from one seed, compare losses (plait compare --help)
   plan             predicted memory, communication and step time of every layout: plait plan --world N --device_memory_gib G
@@ -162,13 +163,14 @@ def seed_checkpoint(argv: list[str]) -> int:
     i = argv.index("--out")
     out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     cfg = parse_args(argv, prog="plait seed-checkpoint")
+    from plait import hf
     from plait.checkpoint import write_seed_checkpoint
     from plait.data import build_tokenizer
-    from plait.model import model_args
 
-    args = model_args(cfg.model.flavor, build_tokenizer(cfg.data).get_vocab_size(), cfg.model.n_layers)
-    write_seed_checkpoint(cfg, args, out)
-    print(f"plait: seed checkpoint of {cfg.model.flavor} (seed {cfg.training.seed}) written to {out}")
+    tokenizer = build_tokenizer(cfg.data)
+    args = hf.job_model(cfg, tokenizer.get_vocab_size())
+    write_seed_checkpoint(cfg, args, out, tokenizer)
+    print(f"plait: seed checkpoint of {cfg.model.flavor or 'debug'} (seed {cfg.training.seed}) written to {out}")
     return 0
 
 
@@ -179,30 +181,34 @@ class ExportArgs:
     out: str
     """folder to write"""
     format: Literal["hf"] = "hf"
-    """hf: Hugging Face Llama (model.safetensors + config.json)"""
+    """hf: Hugging Face Llama (config.json, safetensors, tokenizer), as transformers loads it"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """dtype of the exported weights"""
+    shard_mb: int = 5000
+    """largest weight file; a bigger model is written as shards + model.safetensors.index.json"""
 
 
 def export(argv: list[str]) -> int:
     import torch
 
-    from plait import hf
-    from plait.checkpoint import check_compatible, load_full_state_dict, read_manifest
-    from plait.model import ModelArgs
+    from plait.hf.export import export_checkpoint
 
     opts = parse(ExportArgs, argv, "plait export")
-    manifest = read_manifest(Path(opts.checkpoint))
-    if manifest is None:
-        raise ConfigError(f"checkpoint: {opts.checkpoint} is not a complete plait checkpoint")
-    args = ModelArgs(**manifest["model_args"])
-    check_compatible(Path(opts.checkpoint), args, "checkpoint")
-    hf.export(load_full_state_dict(Path(opts.checkpoint), args, "checkpoint"), args, Path(opts.out), getattr(torch, opts.dtype))
-    print(f"plait: exported {opts.checkpoint} (step {manifest['step']}) to {opts.out} as Hugging Face Llama, {opts.dtype}")
+    if opts.shard_mb < 1:
+        raise ConfigError(f"shard_mb: must be >= 1, got {opts.shard_mb}")
+    wrote = export_checkpoint(Path(opts.checkpoint), Path(opts.out), getattr(torch, opts.dtype), opts.shard_mb << 20)
+    print(f"plait: exported {opts.checkpoint} to {opts.out} as Hugging Face Llama, {opts.dtype}: {wrote}")
     return 0
 
 
-COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export, "bench": bench, "compare": compare,
+def generate(argv: list[str]) -> int:
+    from plait.generate import main as generate_main
+
+    return generate_main(argv)
+
+
+COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
+            "generate": generate, "bench": bench, "compare": compare,
             "trace": trace, "plan": plan}
 
 

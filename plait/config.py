@@ -28,8 +28,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class Model:
-    flavor: Flavor = "debug"
-    """model size: debug (tiny), small (~90M, CPU benchmarks) or a real Llama 3 shape"""
+    flavor: Flavor | None = None
+    """model size: debug (tiny), small (~90M, CPU benchmarks) or a real Llama 3 shape; default: the
+    config.json of a Hugging Face folder given as --checkpoint.load, else debug"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
 
@@ -269,6 +270,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def hf_folder(cfg: JobConfig) -> Path | None:
+    """checkpoint.load when it is a Hugging Face folder (its config.json gives the model)."""
+    load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    return load if load is not None and (load / "config.json").is_file() else None
+
+
 def dp_degree(cfg: JobConfig) -> int:
     return cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
 
@@ -279,6 +286,11 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     Runs identically on every rank, so every rank raises the same error before any collective.
     """
     p, t = cfg.parallelism, cfg.training
+    hf_start = hf_folder(cfg)
+    if cfg.model.flavor is None and hf_start is None:
+        cfg.model.flavor = "debug"
+    if hf_start is not None and not cfg.data.tokenizer and (hf_start / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(hf_start / "tokenizer.json")  # its embeddings are that tokenizer's
     for name in ("dp_replicate", "tp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 SIDECAR = ".digests-{rank}.json"
-METADATA = ".metadata"  # DCP's, written by the coordinator (rank 0)
+RANK0_FILES = (".metadata", "tokenizer.json")  # DCP's metadata (the coordinator's) and the run's tokenizer
 
 
 def sha256(path: Path) -> str:
@@ -26,7 +26,8 @@ def sha256(path: Path) -> str:
 
 def written_by(folder: Path, rank: int) -> list[str]:
     """The files of `folder` that `rank` wrote (DCP names its data files __{rank}_{i}.distcp)."""
-    return sorted(p.name for p in folder.glob(f"__{rank}_*.distcp")) + ([METADATA] if rank == 0 else [])
+    others = [name for name in RANK0_FILES if (folder / name).exists()] if rank == 0 else []
+    return sorted(p.name for p in folder.glob(f"__{rank}_*.distcp")) + others
 
 
 def collect(folder: Path, rank: int, world: int, timeout: float) -> dict[str, str] | None:

@@ -28,17 +28,22 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 8192
+    head_dim: int = 0  # 0 = dim / n_heads; Hugging Face configs may give another
+    ffn_hidden: int = 0  # 0 = from dim, ffn_dim_multiplier and multiple_of, as Meta's reference
+    tie_embeddings: bool = False  # the output layer multiplies by the embedding matrix itself
+    # None, or {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
+    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: dict | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden(self) -> int:
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+    def __post_init__(self):
+        # Settled once, so a checkpoint's manifest records every number of the shape.
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if not self.ffn_hidden:
+            hidden = int(2 * 4 * self.dim / 3)
+            if self.ffn_dim_multiplier is not None:
+                hidden = int(self.ffn_dim_multiplier * hidden)
+            object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
 
 
 FLAVORS = {
@@ -80,15 +85,35 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The angle per position of each pair, as transformers computes it for Llama (bitwise):
+    `linear` divides every frequency by `factor`; `llama3` divides only the low ones (wavelength
+    beyond the original context / low_freq_factor), keeps the high ones and blends in between."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        return freqs / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        context = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / freqs
+        scaled = torch.where(wavelength > context / low, freqs / factor, freqs)
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelength < context / high) * ~(wavelength > context / low)
+        return torch.where(medium, blended, scaled)
+    return freqs
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """cos/sin of every (position, pair) as a [max_seq_len, head_dim/2, 2] float32 table."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_frequencies(head_dim, theta, scaling))
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1) of x [batch, seq, heads, head_dim] by their position's angle."""
+    """Rotate interleaved pairs (x0, x1) of x [batch, seq, heads, head_dim] by their position's
+    angle; `table` starts at x's first position."""
     pairs = x.unflatten(-1, (-1, 2))
     cos, sin = table[: x.shape[1], None, :, 0], table[: x.shape[1], None, :, 1]
     x0, x1 = pairs[..., 0], pairs[..., 1]
@@ -105,17 +130,39 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice of heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cache is not None:  # generation: attend to every earlier position's keys and values too
+            k, v = cache.extend(self, k, v)
         repeats = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # Causal within the new positions; every cached one lies before them all.
+        mask = torch.ones(seq, k.shape[1], dtype=torch.bool, device=x.device).tril(k.shape[1] - seq)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=None if cache is None else mask, is_causal=cache is None)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, per attention layer, for generation."""
+
+    def __init__(self):
+        self.layers: dict[Attention, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.layers.values()))[0].shape[1] if self.layers else 0
+
+    def extend(self, layer: Attention, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.layers:
+            k, v = (torch.cat([old, new], dim=1) for old, new in zip(self.layers[layer], (k, v)))
+        self.layers[layer] = (k, v)
+        return k, v
 
 
 class FeedForward(nn.Module):
@@ -137,8 +184,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -152,19 +199,23 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight  # one parameter, used twice
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
         """(Re)compute the RoPE table: after `to_empty` a non-persistent buffer holds garbage."""
         device = next(self.parameters()).device
-        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta).to(device)
+        a = self.args
+        self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         # A pipeline stage lacks some parts: what it lacks, the activations pass through.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope[cache.length:] if cache is not None else self.rope
         for layer in self.layers.values():
-            x = layer(x, self.rope)
+            x = layer(x, rope, cache)
         return self.output(self.norm(x)) if self.output is not None else x
 
     def init_std(self, name: str) -> float | None:
@@ -177,7 +228,7 @@ class Transformer(nn.Module):
             return None
         if name == "tok_embeddings.weight":
             return 1.0
-        if name == "output.weight":
+        if name == "output.weight":  # (never asked when tied: the parameter is tok_embeddings.weight)
             return self.args.dim ** -0.5
         if name.endswith(("wo.weight", "w2.weight")):
             return 0.02 / math.sqrt(2 * self.args.n_layers)

@@ -25,7 +25,7 @@ from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_st
 from plait.data import BatchLoader, eval_batches, open_data
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
-from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, model_args, num_params
+from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, num_params
 from plait.parallel.pipeline import Pipeline, microbatches
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
@@ -228,7 +228,7 @@ def run(cfg: JobConfig) -> list[dict]:
         torch.use_deterministic_algorithms(True)
     corpus = open_data(cfg.data)
     try:
-        args = model_args(cfg.model.flavor, corpus.tokenizer.get_vocab_size(), cfg.model.n_layers)
+        args = hf.job_model(cfg, corpus.tokenizer.get_vocab_size())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.training.seq_len > args.max_seq_len:
@@ -270,7 +270,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
     pipeline = Pipeline(args, mesh, cfg, precision, device, contexts) if pp else None
     model = pipeline.module if pipeline else parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
-    checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity)
+    checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity, corpus.tokenizer)
     done = checkpointer.restore()
 
     accum = grad_accumulation_steps(cfg)

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plait.config import ConfigError, JobConfig, dp_degree
+from plait.config import ConfigError, JobConfig, dp_degree, hf_folder
 from plait.model import FLAVORS, ModelArgs, Transformer, cross_entropy
 from plait.parallel import parallelize
 from plait.precision import Precision, TrainContexts
@@ -82,7 +82,18 @@ def check_pipeline(cfg: JobConfig) -> None:
     if p.pp_schedule.startswith("interleaved") and m % max(1, m // p.pp):
         raise ConfigError(f"parallelism.pp_microbatches: {p.pp_schedule} runs micro-batches in rounds of pp ({p.pp}); "
                           f"got {m}, allowed: a multiple of {p.pp} or fewer than {2 * p.pp}")
-    split_blocks(cfg.model.n_layers or FLAVORS[cfg.model.flavor].n_layers, stages, p.pp_split_points)
+    hf_start = hf_folder(cfg)
+    if hf_start is not None:
+        from plait import hf
+
+        shape = hf.model_args(hf_start, "checkpoint.load")
+        if shape.tie_embeddings:
+            raise ConfigError(f"parallelism.pp: {hf_start} ties its output layer to its embedding, which live on the "
+                              "first and the last stage: plait does not split a tied model into a pipeline; allowed: "
+                              "pp 1 (DDP, FSDP2, HSDP, TP, SimpleFSDP)")
+    else:
+        shape = FLAVORS[cfg.model.flavor]
+    split_blocks(cfg.model.n_layers or shape.n_layers, stages, p.pp_split_points)
 
 
 def split_blocks(n_layers: int, stages: int, split_points: tuple[int, ...] = ()) -> list[range]:

@@ -155,14 +155,15 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def model_shape(cfg: JobConfig) -> ModelArgs:
-    from plait.model import FLAVORS, model_args
+    from plait import hf
+    from plait.model import FLAVORS
 
     vocab = 0
-    if FLAVORS[cfg.model.flavor].vocab_size == 0:  # the tokenizer's vocabulary, as training settles it
+    if cfg.model.flavor is None or FLAVORS[cfg.model.flavor].vocab_size == 0:  # the tokenizer's, as training settles it
         from plait.data import build_tokenizer
 
         vocab = build_tokenizer(cfg.data).get_vocab_size()
-    return model_args(cfg.model.flavor, vocab, cfg.model.n_layers)
+    return hf.job_model(cfg, vocab)
 
 
 def table(rows: list[Row], memory_gib: float) -> str:

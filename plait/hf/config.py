@@ -1,0 +1,117 @@
+"""A Hugging Face Llama `config.json` <-> plait's ModelArgs.
+
+Both layouts of the RoPE fields are read: the classic `rope_theta` + `rope_scaling`, and the
+`rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
+either carried over exactly or refused by name: a model loaded into the wrong function would
+train on silently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from plait.config import ConfigError
+from plait.model import ModelArgs
+
+ROPE_FIELDS = {"linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def is_hf_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def read_config(folder: Path, option: str) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{option}: {folder / 'config.json'} is unreadable: {e}") from None
+
+
+def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, scaling) from either layout; scaling None, or {"rope_type", its fields}."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_FIELDS:
+        raise ConfigError(f"{where}: RoPE scaling '{kind}' is not supported; plait implements default, "
+                          f"{', '.join(ROPE_FIELDS)}")
+    missing = [f for f in ROPE_FIELDS[kind] if f not in scaling]
+    if missing:
+        raise ConfigError(f"{where}: RoPE scaling '{kind}' lacks {', '.join(missing)}")
+    return theta, {"rope_type": kind, **{f: scaling[f] for f in ROPE_FIELDS[kind]}}
+
+
+def model_args(folder: Path, option: str) -> ModelArgs:
+    """The model a Hugging Face Llama folder holds, from its config.json."""
+    config, where = read_config(folder, option), f"{option}: {folder / 'config.json'}"
+    if config.get("model_type") != "llama":
+        raise ConfigError(f"{where} holds a model_type {config.get('model_type')!r} model; plait reads Llama "
+                          "(model_type 'llama': Llama 2/3, SmolLM2, TinyLlama and others of that architecture)")
+    for field in ("attention_bias", "mlp_bias"):
+        if config.get(field):
+            raise ConfigError(f"{where} sets {field}: plait's Llama has no biases; allowed: false")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where} sets hidden_act {config['hidden_act']!r}; allowed: 'silu'")
+    theta, scaling = rope_settings(config, where)
+    try:
+        return ModelArgs(dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+                         n_heads=config["num_attention_heads"],
+                         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                         vocab_size=config["vocab_size"], ffn_hidden=config["intermediate_size"],
+                         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                         norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+                         max_seq_len=config.get("max_position_embeddings", 2048),
+                         tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise ConfigError(f"{where} lacks {e.args[0]}") from None
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict:
+    """config.json of `args` in the classic layout, which transformers 4 and 5 both read."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def describe_difference(theirs: ModelArgs, ours: ModelArgs) -> str:
+    a, b = vars(theirs), vars(ours)
+    return ", ".join(f"{k} {a[k]} vs {b[k]}" for k in b if a[k] != b[k])
+
+
+def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
+    """The run's model: the config.json of a Hugging Face folder given as checkpoint.load (a
+    model.flavor or model.n_layers given as well must agree with it), else model.flavor's shape."""
+    from plait.config import hf_folder
+    from plait.model import model_args as flavor_args
+
+    folder = hf_folder(cfg)
+    if folder is None:
+        return flavor_args(cfg.model.flavor or "debug", tokenizer_vocab, cfg.model.n_layers)
+    args = model_args(folder, "checkpoint.load")
+    if cfg.model.flavor is not None:
+        flavor = flavor_args(cfg.model.flavor, args.vocab_size, cfg.model.n_layers)
+        if flavor != args:
+            raise ConfigError(f"model.flavor: {cfg.model.flavor} is not the model of {folder} "
+                              f"({describe_difference(flavor, args)} in its config.json); leave model.flavor out to "
+                              "train the folder's model")
+    if cfg.model.n_layers not in (0, args.n_layers):
+        raise ConfigError(f"model.n_layers: {cfg.model.n_layers}, but {folder} has {args.n_layers} blocks; allowed: "
+                          f"0 or {args.n_layers}")
+    if tokenizer_vocab > args.vocab_size:
+        raise ConfigError(f"data.tokenizer: has {tokenizer_vocab} tokens, more than the {args.vocab_size} embeddings "
+                          f"of {folder}: token ids past {args.vocab_size - 1} would have no embedding; use the "
+                          "folder's own tokenizer")
+    return args

@@ -1,0 +1,41 @@
+"""`plait export`: a plait checkpoint -> a Hugging Face Llama folder that transformers loads as is
+(config.json, safetensors weights, tokenizer, generation defaults)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from plait.checkpoint import check_compatible, load_full_state_dict, read_manifest
+from plait.config import ConfigError
+from plait.hf import tokenizer as hf_tokenizer
+from plait.hf.config import hf_config
+from plait.hf.weights import write_weights
+from plait.model import ModelArgs
+
+
+def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
+    """Write `out` from the checkpoint `folder`; returns what was written, for the one line."""
+    import json
+
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ConfigError(f"checkpoint: {folder} is not a complete plait checkpoint")
+    args = ModelArgs(**manifest["model_args"])
+    check_compatible(folder, args, "checkpoint")
+    state = load_full_state_dict(folder, args, "checkpoint")
+    tokenizer = None
+    if (folder / hf_tokenizer.TOKENIZER).is_file():
+        tokenizer = Tokenizer.from_file(str(folder / hf_tokenizer.TOKENIZER))
+        if tokenizer.get_vocab_size() > args.vocab_size:
+            raise ConfigError(f"checkpoint: {folder}'s tokenizer has {tokenizer.get_vocab_size()} tokens, more than "
+                              f"the model's {args.vocab_size} embeddings")
+    files = write_weights(state, args, out, dtype, shard_bytes)
+    bos, eos = hf_tokenizer.special_ids(tokenizer) if tokenizer is not None else (None, None)
+    (out / "config.json").write_text(json.dumps(hf_config(args, dtype, bos, eos), indent=1))
+    if tokenizer is None:  # checkpoints written before plait kept their tokenizer
+        return f"{len(files)} weight file(s), no tokenizer ({folder} holds none: copy the run's tokenizer.json in)"
+    hf_tokenizer.write(tokenizer, out, args.max_seq_len)
+    return f"{len(files)} weight file(s) and the tokenizer"

@@ -1,0 +1,162 @@
+"""Hugging Face Llama weights: plait names and RoPE order <-> transformers', safetensors in and out.
+
+Parameter names (plait -> Hugging Face):
+    tok_embeddings.weight                  -> model.embed_tokens.weight
+    layers.N.attention.w{q,k,v,o}.weight   -> model.layers.N.self_attn.{q,k,v,o}_proj.weight
+    layers.N.feed_forward.w1/w3/w2.weight  -> model.layers.N.mlp.gate_proj/up_proj/down_proj.weight
+    layers.N.attention_norm.weight         -> model.layers.N.input_layernorm.weight
+    layers.N.ffn_norm.weight               -> model.layers.N.post_attention_layernorm.weight
+    norm.weight                            -> model.norm.weight
+    output.weight                          -> lm_head.weight
+
+RoPE layout: plait (like Meta's reference) rotates interleaved pairs (x0, x1), (x2, x3), ...
+of each head; Hugging Face rotates the two halves (x_i, x_{i+d/2}). The rotation is the same
+once each head's rows of wq and wk are reordered: plait row 2i -> HF row i, plait row 2i+1 ->
+HF row i + d/2 (`to_hf_rope_order`; `from_hf_rope_order` is its inverse).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from plait.config import ConfigError
+from plait.hf.config import describe_difference
+from plait.hf.config import model_args as hf_model_args
+from plait.model import ModelArgs
+
+LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def hf_name(name: str) -> str:
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    index, rest = LAYER.match(name).groups()
+    return f"model.layers.{index}.{LAYER_NAMES[rest]}"
+
+
+def to_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    heads = weight.shape[0] // head_dim
+    return weight.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def from_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    heads = weight.shape[0] // head_dim
+    return weight.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Path, dtype: torch.dtype,
+           shard_bytes: int) -> list[str]:
+    """Write the weights of a full plait state dict as safetensors into `out`: one
+    model.safetensors, or shards of at most `shard_bytes` and their index as transformers
+    writes them. A tied model's output layer is its embedding: only the embedding is written."""
+    tensors = {}
+    for name, tensor in state_dict.items():
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        if name.endswith(("wq.weight", "wk.weight")):
+            tensor = to_hf_rope_order(tensor, args.head_dim)
+        tensors[hf_name(name)] = tensor.to(dtype).contiguous()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, tensor in tensors.items():
+        size = sum(t.nbytes for t in shards[-1].values())
+        if shards[-1] and size + tensor.nbytes > shard_bytes:
+            shards.append({})
+        shards[-1][name] = tensor
+    out.mkdir(parents=True, exist_ok=True)
+    names = [WEIGHTS] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+        (out / INDEX).write_text(json.dumps(index, indent=1))
+    return names
+
+
+def weight_files(folder: Path, option: str) -> dict[str, Path]:
+    """Hugging Face name -> the file holding it: from the index when there is one (each listed
+    shard must exist), else from the headers of every .safetensors file. Reads no tensor."""
+    if (folder / INDEX).exists():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ConfigError(f"{option}: {folder / INDEX} is unreadable: {e}") from None
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise ConfigError(f"{option}: {folder / INDEX} lists {len(missing)} shard(s) that are not in the folder: "
+                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        return {name: folder / f for name, f in weight_map.items()}
+    present = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as weights:
+            present.update(dict.fromkeys(weights.keys(), f))
+    if not present:
+        raise ConfigError(f"{option}: {folder} has config.json but no .safetensors weights")
+    return present
+
+
+def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
+    """Fail with one line unless `folder` holds the model `args` and every weight of it; reads
+    the config and the safetensors headers only. Returns the weight files."""
+    theirs = hf_model_args(folder, option)
+    if theirs != args:
+        raise ConfigError(f"{option}: {folder} holds another model than this run's "
+                          f"({describe_difference(theirs, args)} in this run)")
+    present = weight_files(folder, option)
+    missing = [hf_name(n) for n in parameter_names(args) if hf_name(n) not in present]
+    if missing:
+        raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return present
+
+
+def parameter_names(args: ModelArgs) -> list[str]:
+    """The model's parameters by plait name, each once (a tied output layer is the embedding)."""
+    from plait.model import Transformer
+
+    with torch.device("meta"):
+        return [name for name, _ in Transformer(args).named_parameters()]
+
+
+class HFWeights(Mapping):
+    """A Hugging Face Llama folder's weights as a plait state dict (fp32, plait names and RoPE
+    order), checked against `args` up front and read one tensor at a time, memory-mapped, when
+    asked for: a rank holds one full tensor at a time while it cuts its shard, never the model."""
+
+    def __init__(self, folder: Path, args: ModelArgs, option: str):
+        self.args, self.names, self.files = args, parameter_names(args), check(folder, args, option)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[hf_name(name)]), "pt") as weights:
+            tensor = weights.get_tensor(hf_name(name)).float()
+        if name.endswith(("wq.weight", "wk.weight")):
+            tensor = from_hf_rope_order(tensor, self.args.head_dim)
+        return tensor
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
