@@ -33,6 +33,8 @@ class Model:
     config.json of a Hugging Face folder given as --checkpoint.load, else debug"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
+    tie_embeddings: bool = False
+    """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
 
 
 @dataclass

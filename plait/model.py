@@ -185,8 +185,22 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache)
+        # (cache by keyword: tensor parallelism's input plan covers the positional inputs)
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TiedOutput(nn.Module):
+    """The output layer of a tied model: logits = x @ embedding matrix^T. It owns no parameter:
+    the embedding owns the one matrix, so every wrapper (sharding, initialisation, checkpoints)
+    meets it once, and both uses' gradients reach it through autograd."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.embedding = [embedding]  # in a list: not a submodule, so the matrix is not registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.embedding[0].weight)
 
 
 class Transformer(nn.Module):
@@ -198,9 +212,8 @@ class Transformer(nn.Module):
         # Stages also drop the embedding (all but the first) and norm + output (all but the last).
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight  # one parameter, used twice
+        self.output = TiedOutput(self.tok_embeddings) if args.tie_embeddings else \
+            nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.reset_buffers()
 
@@ -215,7 +228,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope[cache.length:] if cache is not None else self.rope
         for layer in self.layers.values():
-            x = layer(x, rope, cache)
+            x = layer(x, rope, cache=cache)
         return self.output(self.norm(x)) if self.output is not None else x
 
     def init_std(self, name: str) -> float | None:
@@ -226,9 +239,9 @@ class Transformer(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name == "tok_embeddings.weight":
-            return 1.0
-        if name == "output.weight":  # (never asked when tied: the parameter is tok_embeddings.weight)
+        if name == "tok_embeddings.weight":  # tied, it is the output layer's too: that scale
+            return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
+        if name == "output.weight":
             return self.args.dim ** -0.5
         if name.endswith(("wo.weight", "w2.weight")):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
@@ -269,11 +282,13 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """
     with torch.device("meta"):
         n = num_params(Transformer(args), exclude_embedding=True)
-    return 6 * n + 12 * args.n_layers * args.dim * seq_len
+    tied_output = args.vocab_size * args.dim if args.tie_embeddings else 0  # a matmul, though no parameter of its own
+    return 6 * (n + tied_output) + 12 * args.n_layers * args.dim * seq_len
 
 
 def linear_weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:
     """The distinct (out, in) weight shapes of the model's linear layers: what its matmuls multiply."""
     with torch.device("meta"):
         model = Transformer(args)
-    return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    return sorted(shapes | ({(args.vocab_size, args.dim)} if args.tie_embeddings else set()))

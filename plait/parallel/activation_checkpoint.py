@@ -56,10 +56,10 @@ def checkpoint_block(block: nn.Module, selective: bool) -> None:
     # context around SimpleFSDP's parametrized blocks, not the default (it would save the mesh).
     context = functools.partial(create_selective_checkpoint_contexts, _selective_policy if selective else _full_policy)
 
-    def checkpointed_forward(*args):
+    def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
-            return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context)
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, **kwargs, use_reentrant=False, context_fn=context)
 
     block.forward = checkpointed_forward
 

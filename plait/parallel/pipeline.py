@@ -87,12 +87,12 @@ def check_pipeline(cfg: JobConfig) -> None:
         from plait import hf
 
         shape = hf.model_args(hf_start, "checkpoint.load")
-        if shape.tie_embeddings:
-            raise ConfigError(f"parallelism.pp: {hf_start} ties its output layer to its embedding, which live on the "
-                              "first and the last stage: plait does not split a tied model into a pipeline; allowed: "
-                              "pp 1 (DDP, FSDP2, HSDP, TP, SimpleFSDP)")
     else:
         shape = FLAVORS[cfg.model.flavor]
+    if shape.tie_embeddings or cfg.model.tie_embeddings:
+        raise ConfigError(f"parallelism.pp: the model ties its output layer to its embedding"
+                          f"{f' ({hf_start})' if hf_start else ''}, and the two live on the first and the last stage: "
+                          "plait does not pipeline a tied model; allowed: pp 1 (DDP, FSDP2, HSDP, TP, SimpleFSDP)")
     split_blocks(cfg.model.n_layers or shape.n_layers, stages, p.pp_split_points)
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from plait.config import ConfigError, JobConfig
-from plait.model import ModelArgs
+from plait.model import ModelArgs, TiedOutput
 
 
 def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
@@ -38,11 +38,17 @@ def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     # Between blocks activations are split on the sequence (SP) or replicated.
     between = Shard(1) if sequence_parallel else Replicate()
+    logits = Shard(-1) if loss_parallel else Replicate()
     outer = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "output": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(input_layouts=between, output_layouts=logits, use_local_output=not loss_parallel),
     }
+    if isinstance(model.output, TiedOutput):
+        # The embedding's matrix, split on the vocabulary (rows), is the output layer's too:
+        # what ColwiseParallel does, minus distributing a weight of its own.
+        outer["output"] = PrepareModuleInputOutput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=False,
+            output_layouts=(Shard(-1),), desired_output_layouts=(logits,), use_local_output=not loss_parallel)
     if sequence_parallel:
         outer["norm"] = SequenceParallel()
     # A pipeline stage holds some of these parts only; between stages activations travel as the
