@@ -61,6 +61,7 @@ AUTOCAST = ["--training.mixed_precision_mode", "autocast"]
 SIMPLE = ["--parallelism.dp_backend", "simple_fsdp"]
 TP2 = ["--parallelism.tp", "2"]
 PP2 = ["--parallelism.pp", "2"]
+TIED = ["--model.tie_embeddings"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 
 
@@ -102,8 +103,15 @@ LAYOUTS = {
     "pp_ddp": (4, [*PP2, *degrees(2, 1)]),
     "pp_tp": (4, [*PP2, *degrees(1, 1, tp=2)]),
     "pp_fsdp2_tp": (8, [*PP2, *degrees(1, 2, tp=2)]),
+    # A tied output layer (one matrix with the embedding): the wrappers that handle parameters
+    # differently (fully_shard, TP's vocabulary split, SimpleFSDP's parametrization).
+    "single_tied": (1, [*TIED, "--training.micro_batch_size", "2"]),
+    "fsdp2_tied": (2, [*TIED, *degrees(1, 2)]),
+    "tp_tied": (2, [*TIED, *degrees(1, 1, tp=2)]),
+    "simple_fsdp_tied": (2, [*TIED, *SIMPLE, *degrees(1, 2)]),
 }
-REFERENCE = {name: "single_deep" if "--model.n_layers" in args else "single" for name, (_, args) in LAYOUTS.items()}
+REFERENCE = {name: "single_deep" if "--model.n_layers" in args else "single_tied" if TIED[0] in args else "single"
+             for name, (_, args) in LAYOUTS.items()}
 
 
 def validation_text() -> str:

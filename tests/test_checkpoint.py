@@ -298,8 +298,9 @@ def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_
 
 
 def test_hf_folders_that_compute_differently_are_refused(tmp_path, seed_ckpt):
-    """Same shape is not same model: Llama 3.1 8B's scaled RoPE loaded as llama3_8b would run
-    with the wrong frequencies. Refused at start-up with one line naming the field."""
+    """Same shape is not same model: Llama 3.1 8B's scaled RoPE taken for llama3_8b would run
+    with the wrong frequencies. Checked against the run's model with one line naming the field;
+    biases, which plait's Llama has none of, are refused outright."""
     from plait.checkpoint import read_manifest
     from plait.config import ConfigError
     from plait.hf import check
@@ -309,25 +310,33 @@ def test_hf_folders_that_compute_differently_are_refused(tmp_path, seed_ckpt):
     plait("export", "--checkpoint", str(seed_ckpt), "--out", str(out), "--dtype", "float32")
     exported = json.loads((out / "config.json").read_text())
     args = ModelArgs(**read_manifest(seed_ckpt)["model_args"])
+    check(out, args, "checkpoint.load")  # as exported: the same model
     for change, named in HF_MATH_CHANGES:
         config = {k: v for k, v in {**exported, **change}.items() if v is not None}
         (out / "config.json").write_text(json.dumps(config))
-        with pytest.raises(ConfigError, match="computes differently") as refused:
+        with pytest.raises(ConfigError, match="holds another model") as refused:
             check(out, args, "checkpoint.load")
         assert named in str(refused.value)
-    rows, proc = run_plait(tmp_path, "--checkpoint.load", str(out), check=False)  # the last change, end to end
-    assert proc.returncode == 2 and rows == [] and proc.stderr.strip().splitlines()[-1].startswith(
-        f"plait: error: checkpoint.load: {out} computes differently from this run's model (attention_bias True")
+    # End to end, with the flavor given: the flavor and the folder disagree, in one line.
+    rows, proc = run_plait(tmp_path, "--checkpoint.load", str(out), "--model.flavor", "debug", check=False)
+    assert proc.returncode == 2 and rows == [] and proc.stderr.strip().splitlines() == [
+        f"plait: error: model.flavor: debug is not the model of {out} (rope_theta 10000.0 vs 500000.0 in its "
+        "config.json); leave model.flavor out to train the folder's model"]
+    (out / "config.json").write_text(json.dumps({**exported, "attention_bias": True}))
+    rows, proc = run_plait(tmp_path, "--checkpoint.load", str(out), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"plait: error: checkpoint.load: {out / 'config.json'} sets attention_bias: plait's Llama has no biases; "
+        "allowed: false"]
 
 
-HF_MATH_CHANGES = [  # (config.json fields changed, the words that must name it)
-    ({"rope_theta": 500000.0}, "rope_theta 500000.0 vs 10000.0"),
-    ({"rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}, "rope_theta 500000.0"),
+HF_MATH_CHANGES = [  # (config.json fields changed, the words that must name it); the last stays for the run
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192}}, "rope_scaling {'rope_type': 'llama3'"),
     ({"rope_theta": None, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}},
      "rope_scaling {'rope_type': 'linear', 'factor': 2.0} vs None"),
-    ({"rms_norm_eps": 1e-6}, "rms_norm_eps 1e-06 vs 1e-05"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings True vs False"),
-    ({"attention_bias": True}, "attention_bias True vs False"),
+    ({"rms_norm_eps": 1e-6}, "norm_eps 1e-06 vs 1e-05"),
+    ({"tie_word_embeddings": True}, "tie_embeddings True vs False"),
+    ({"head_dim": 16}, "head_dim 16 vs 32"),
+    ({"rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+     "rope_theta 500000.0 vs 10000.0"),
 ]

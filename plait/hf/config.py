@@ -87,9 +87,15 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     }
 
 
+# How a shape was written down (FFN rounding) and how many positions it is used for change
+# nothing the model computes: two ModelArgs differing only there are one model.
+NOTATION = ("multiple_of", "ffn_dim_multiplier", "max_seq_len")
+
+
 def describe_difference(theirs: ModelArgs, ours: ModelArgs) -> str:
+    """The fields that make two models compute differently ('' when they are one model)."""
     a, b = vars(theirs), vars(ours)
-    return ", ".join(f"{k} {a[k]} vs {b[k]}" for k in b if a[k] != b[k])
+    return ", ".join(f"{k} {a[k]} vs {b[k]}" for k in b if a[k] != b[k] and k not in NOTATION)
 
 
 def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
@@ -108,7 +114,7 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     if cfg.model.flavor is not None:
         flavor = replace(flavor_args(cfg.model.flavor, args.vocab_size, cfg.model.n_layers),
                          tie_embeddings=args.tie_embeddings)  # a flavor names a shape, not the tying
-        if flavor != args:
+        if describe_difference(flavor, args):
             raise ConfigError(f"model.flavor: {cfg.model.flavor} is not the model of {folder} "
                               f"({describe_difference(flavor, args)} in its config.json); leave model.flavor out to "
                               "train the folder's model")

@@ -121,10 +121,9 @@ def weight_files(folder: Path, option: str) -> dict[str, Path]:
 def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     """Fail with one line unless `folder` holds the model `args` and every weight of it; reads
     the config and the safetensors headers only. Returns the weight files."""
-    theirs = hf_model_args(folder, option)
-    if theirs != args:
-        raise ConfigError(f"{option}: {folder} holds another model than this run's "
-                          f"({describe_difference(theirs, args)} in this run)")
+    differ = describe_difference(hf_model_args(folder, option), args)
+    if differ:
+        raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
     missing = [hf_name(n) for n in parameter_names(args) if hf_name(n) not in present]
     if missing:
