@@ -46,7 +46,11 @@ TOLERANCE = {  # (layout, precision): tolerance against the single device
     **{(name, "fp32"): BITWISE for name in PIPELINES},
     **{(name, "fp32"): FP32_REORDERED for name in ("pp_fsdp2", "pp_ddp", "pp_tp", "pp_fsdp2_tp")},
     **{(name, "bf16"): tolerance for name, tolerance in PIPELINES_BF16.items()},
-    ("fsdp2_tied", "fp32"): BITWISE, ("simple_fsdp_tied", "fp32"): BITWISE, ("tp_tied", "fp32"): FP32_REORDERED,
+    # FSDP2 holds the tied matrix as one parameter whose gradient autograd sums before the
+    # reduce-scatter, as one device sums it: bitwise. SimpleFSDP gathers it once per use and
+    # reduce-scatters each use's gradient, then adds the two averages: ((a1+a2)+(b1+b2))/2 vs
+    # (a1+b1)/2+(a2+b2)/2, last-bit differences, measured 9.5e-7.
+    ("fsdp2_tied", "fp32"): BITWISE, ("simple_fsdp_tied", "fp32"): FP32_REORDERED, ("tp_tied", "fp32"): FP32_REORDERED,
 }
 PRECISIONS = {"fp32": [], "bf16": BF16}
 

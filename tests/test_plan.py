@@ -25,7 +25,7 @@ PRECISIONS = {"fp32": [], "bf16": BF16}
 PARTLY = {
     # SimpleFSDP gathers parameter by parameter and reshards by recomputing its blocks, which
     # plan does not model: it plans fully_shard (the default backend), which holds the same state.
-    "simple_fsdp": {"state"}, "simple_hsdp_w4": {"state"}, "simple_fsdp_tp": {"state"},
+    "simple_fsdp": {"state"}, "simple_hsdp_w4": {"state"}, "simple_fsdp_tp": {"state"}, "simple_fsdp_tied": {"state"},
     # Unsharded, SimpleFSDP's forward casts every parameter to bf16 and keeps the copies for
     # backward: memory plan counts as buffers, the probe (allocated in forward) as activations.
     "simple_ddp": {"state", "comm"}, "simple_ddp_tp": {"state", "comm"},

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from plait.config import JobConfig, dp_degree
 from plait.model import ModelArgs, flops_per_token
 from plait.parallel.activation_checkpoint import checkpointed_blocks
-from plait.plan.memory import Layout, block_indices, gathered_elements, local_rows_cols, rank_parameters, rank_stages, units
+from plait.plan.memory import (Layout, block_indices, gathered_elements, holds_output, local_rows_cols, rank_parameters,
+                               rank_stages, units)
 
 
 def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[tuple[str, str], int]:
@@ -62,7 +63,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # gathered (its gradient scattered). A checkpointed block's recompute gathers its two
         # inputs again and reduce-scatters the attention output the FFN's input needs (it stops
         # before the FFN's own reduce-scatter).
-        first, last = "tok_embeddings.weight" in params, "output.weight" in params
+        first, last = "tok_embeddings.weight" in params, holds_output(args, params)
         activation = tokens * args.dim * e
         ac = cfg.activation_checkpoint
         recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))

@@ -80,6 +80,11 @@ def rank_parameters(args: ModelArgs, cfg: JobConfig, stages: list[int] | None) -
     return {n: s for n, s in shapes.items() if n.startswith(keep)}
 
 
+def holds_output(args: ModelArgs, params: dict) -> bool:
+    """Whether these parameters' stage computes the logits (tied, the embedding's matrix does)."""
+    return "output.weight" in params or (args.tie_embeddings and "tok_embeddings.weight" in params)
+
+
 def block_indices(unit_names: list[str]) -> set[int]:
     return {int(name.split(".")[1]) for name in unit_names}
 
@@ -180,5 +185,5 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * (sizes.get("root", 0) + sum(blocks[:2])) + 4 * (blocks[0] if blocks else 0)
     else:
         gathered = e * sum(sizes.values()) if e != 4 else 0
-    logits = tokens * args.vocab_size // p.tp * (e + 4) if "output.weight" in params else 0
+    logits = tokens * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
     return gathered + logits
