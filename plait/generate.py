@@ -45,6 +45,8 @@ class GenerateArgs:
     """keep earlier positions' keys and values (--no-kv-cache recomputes the whole text per token)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the weights and the computation"""
+    ids: bool = False
+    """also print the generated token ids (to compare with another implementation)"""
 
 
 def load(folder: Path) -> tuple[Transformer, Tokenizer]:
@@ -124,5 +126,5 @@ def main(argv: list[str]) -> int:
             shown = text
     seconds = time.perf_counter() - start
     print(f"\nplait: {len(new)} tokens in {seconds:.2f}s ({len(new) / seconds:.1f} tokens/s, KV cache "
-          f"{'on' if opts.kv_cache else 'off'}); ids {new}", file=sys.stderr)
+          f"{'on' if opts.kv_cache else 'off'})" + (f"; ids {new}" if opts.ids else ""), file=sys.stderr)
     return 0

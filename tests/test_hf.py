@@ -144,7 +144,7 @@ def test_a_trained_and_exported_folder_generates_in_transformers_as_plait_genera
 
     def plait_generate(checkpoint, *extra):
         proc = subprocess.run([*plait_cmd, "generate", "--checkpoint", str(checkpoint), "--prompt", prompt,
-                               "--max_new_tokens", "12", "--temperature", "0", *extra],
+                               "--max_new_tokens", "12", "--temperature", "0", "--ids", *extra],
                               capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.startswith(prompt)
