@@ -170,7 +170,7 @@ def seed_checkpoint(argv: list[str]) -> int:
     tokenizer = build_tokenizer(cfg.data)
     args = hf.job_model(cfg, tokenizer.get_vocab_size())
     write_seed_checkpoint(cfg, args, out, tokenizer)
-    print(f"plait: seed checkpoint of {cfg.model.flavor or 'debug'} (seed {cfg.training.seed}) written to {out}")
+    print(f"plait: seed checkpoint of {cfg.model.flavor.replace('auto', 'debug')} (seed {cfg.training.seed}) written to {out}")
     return 0
 
 

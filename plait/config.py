@@ -19,6 +19,7 @@ from typing import Literal
 
 
 Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b"]
+ModelFlavor = Literal["auto", "debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b"]
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -28,8 +29,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class Model:
-    flavor: Flavor | None = None
-    """model size: debug (tiny), small (~90M, CPU benchmarks) or a real Llama 3 shape; default: the
+    flavor: ModelFlavor = "auto"
+    """model size: debug (tiny), small (~90M, CPU benchmarks) or a real Llama 3 shape; auto: the
     config.json of a Hugging Face folder given as --checkpoint.load, else debug"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
@@ -289,7 +290,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     """
     p, t = cfg.parallelism, cfg.training
     hf_start = hf_folder(cfg)
-    if cfg.model.flavor is None and hf_start is None:
+    if cfg.model.flavor == "auto" and hf_start is None:
         cfg.model.flavor = "debug"
     if hf_start is not None and not cfg.data.tokenizer and (hf_start / "tokenizer.json").is_file():
         cfg.data.tokenizer = str(hf_start / "tokenizer.json")  # its embeddings are that tokenizer's

@@ -284,7 +284,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
     if rank == 0:
         with torch.device("meta"):
             whole = Transformer(args)
-        print(f"plait: {parallel.describe(mesh)} | {cfg.model.flavor or cfg.checkpoint.load}: "
+        print(f"plait: {parallel.describe(mesh)} | {cfg.checkpoint.load if cfg.model.flavor == 'auto' else cfg.model.flavor}: "
               f"{num_params(whole) / 1e6:.1f}M params{' (tied embeddings)' if args.tie_embeddings else ''}, "
               f"vocab {args.vocab_size} | {'+'.join(map(str, loader.num_sequences))} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "

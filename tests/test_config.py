@@ -11,7 +11,8 @@ from plait.config import ConfigError, grad_accumulation_steps, parse_args, valid
 
 def test_defaults_and_named_config():
     cfg = parse_args([])
-    assert cfg.model.flavor == "debug" and cfg.parallelism.dp_shard == -1
+    assert cfg.model.flavor == "auto" and cfg.parallelism.dp_shard == -1
+    assert validate(cfg, 1).model.flavor == "debug"  # auto: debug, without a Hugging Face folder to read
     assert parse_args(["--config", "small"]).model.flavor == "small"
 
 
@@ -105,7 +106,7 @@ def run_cli(*args):
     (["--training.stepz", "3"], "training.stepz: unknown option --training.stepz; did you mean --training.steps? "
                                 "(plait train --help lists every option)"),
     (["--model.flavor", "huge"], "model.flavor: invalid choice 'huge' for argument '--model.flavor'. Expected one of "
-                                 "('debug', 'small', 'llama3_1b', 'llama3_8b', 'llama3_70b', 'llama3_405b')."),
+                                 "('auto', 'debug', 'small', 'llama3_1b', 'llama3_8b', 'llama3_70b', 'llama3_405b')."),
     (["--training.steps", "x"], "training.steps: Error parsing --training.steps: invalid literal for int() with base 10: 'x'"),
     (["--compile.enable", "yes"], "arguments: unexpected value 'yes' (a boolean option takes none: --section.key sets "
                                   "it, --section.no_key clears it)"),

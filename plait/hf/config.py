@@ -106,12 +106,12 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
 
     folder = hf_folder(cfg)
     if folder is None:
-        args = flavor_args(cfg.model.flavor or "debug", tokenizer_vocab, cfg.model.n_layers)
+        args = flavor_args(cfg.model.flavor.replace("auto", "debug"), tokenizer_vocab, cfg.model.n_layers)
         return replace(args, tie_embeddings=cfg.model.tie_embeddings)
     args = model_args(folder, "checkpoint.load")
     if cfg.model.tie_embeddings and not args.tie_embeddings:
         raise ConfigError(f"model.tie_embeddings: {folder} has an output layer of its own (tie_word_embeddings false)")
-    if cfg.model.flavor is not None:
+    if cfg.model.flavor != "auto":
         flavor = replace(flavor_args(cfg.model.flavor, args.vocab_size, cfg.model.n_layers),
                          tie_embeddings=args.tie_embeddings)  # a flavor names a shape, not the tying
         if describe_difference(flavor, args):

@@ -159,7 +159,7 @@ def model_shape(cfg: JobConfig) -> ModelArgs:
     from plait.model import FLAVORS
 
     vocab = 0
-    if cfg.model.flavor is None or FLAVORS[cfg.model.flavor].vocab_size == 0:  # the tokenizer's, as training settles it
+    if cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0:  # the tokenizer's, as training settles it
         from plait.data import build_tokenizer
 
         vocab = build_tokenizer(cfg.data).get_vocab_size()

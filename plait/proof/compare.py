@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 import typing
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -151,14 +150,14 @@ def plan(args: CompareArgs, shared: list[str]):
     types = option_types()
     overrides = [parse_run(spec, types) for spec in args.run]
     # Torch and the tokenizer take seconds to load: the typos above fail before them.
+    from plait import hf
     from plait.data import build_tokenizer
-    from plait.model import model_args
     from plait.parallel.tensor_parallel import check_divisibility
 
     shared_cfg = parse_args([*shared, "--training.steps", str(args.steps)], prog="plait compare")
     try:  # model and data options are shared, so one tokenizer settles the model for every run
-        model = model_args(shared_cfg.model.flavor, build_tokenizer(shared_cfg.data).get_vocab_size(),
-                           shared_cfg.model.n_layers)
+        tokenizer = build_tokenizer(shared_cfg.data)
+        model = hf.job_model(shared_cfg, tokenizer.get_vocab_size())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     runs = []
@@ -176,7 +175,7 @@ def plan(args: CompareArgs, shared: list[str]):
         label = spec or "defaults"  # the same run twice is a fair check of run-to-run determinism
         label = label if all(r.label != label for r in runs) else f"{label} #{i + 1}"
         runs.append(Run(label, world, train_flags, flat(cfg)))
-    return shared_cfg, model, runs
+    return shared_cfg, model, tokenizer, runs
 
 
 def read_golden(path: str, shared: dict, steps: int) -> dict:
@@ -277,7 +276,7 @@ def main(argv: list[str]) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = parse(CompareArgs, argv[:split], "plait compare")
     shared = argv[split + 1:]
-    shared_cfg, model, runs = plan(args, shared)
+    shared_cfg, model, tokenizer, runs = plan(args, shared)
     golden = read_golden(args.golden, flat(shared_cfg), args.steps) if args.golden else None
     atol = 0.0 if args.assert_equal else args.atol
 
@@ -291,9 +290,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(seed)
     out.mkdir(parents=True, exist_ok=True)
     # What `plait seed-checkpoint` does, in this process: torch and the tokenizer are loaded already.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process is the intent
-        write_seed_checkpoint(shared_cfg, model, seed)
+    write_seed_checkpoint(shared_cfg, model, seed, tokenizer)
     try:
         results = [train(run, seed, out / f"run-{i}.jsonl") for i, run in enumerate(runs)]
     except RunFailed as e:
