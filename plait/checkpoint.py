@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from plait import digests, hf
+from plait.digests import damaged, verify
 from plait.config import ConfigError, JobConfig
 from plait.hf.tokenizer import TOKENIZER
 from plait.model import ModelArgs, Transformer
@@ -115,22 +116,6 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
     if missing or wrong:
         raise ConfigError(f"{option}: {folder} does not match the model: missing {missing[:3]}, wrong shapes {wrong[:3]}")
     return manifest
-
-
-def damaged(folder: Path) -> str:
-    return f"the checkpoint is damaged; move {folder} away to resume from the one before it"
-
-
-def verify(folder: Path, option: str, rank: int = 0, world: int = 1) -> None:
-    """Every file of `folder` against its digest in the manifest, each rank hashing its share;
-    with a process group, every rank raises the same one line if any share failed."""
-    failure = digests.first_mismatch(folder, read_manifest(folder).get("digests"), rank, world)
-    if world > 1:
-        failures = [None] * world
-        dist.all_gather_object(failures, failure)
-        failure = next((f for f in failures if f), None)
-    if failure:
-        raise ConfigError(f"{option}: {failure}: {damaged(folder)}")
 
 
 def saved_model(record: dict) -> dict:

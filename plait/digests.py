@@ -15,6 +15,10 @@ import os
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
+from plait.config import ConfigError
+
 SIDECAR = ".digests-{rank}.json"
 RANK0_FILES = (".metadata", "tokenizer.json")  # DCP's metadata (the coordinator's) and the run's tokenizer
 
@@ -51,6 +55,23 @@ def collect(folder: Path, rank: int, world: int, timeout: float) -> dict[str, st
         digests.update(json.loads(sidecar.read_text()))
         sidecar.unlink()
     return digests
+
+
+def damaged(folder: Path) -> str:
+    return f"the checkpoint is damaged; move {folder} away to resume from the one before it"
+
+
+def verify(folder: Path, option: str, rank: int = 0, world: int = 1) -> None:
+    """Every file of `folder` against its digest in the manifest (plait.json), each rank hashing
+    its share; with a process group, every rank raises the same one line if any share failed."""
+    manifest = json.loads((folder / "plait.json").read_text())
+    failure = first_mismatch(folder, manifest.get("digests"), rank, world)
+    if world > 1:
+        failures = [None] * world
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f), None)
+    if failure:
+        raise ConfigError(f"{option}: {failure}: {damaged(folder)}")
 
 
 def first_mismatch(folder: Path, digests: dict[str, str] | None, rank: int = 0, world: int = 1) -> str | None:

@@ -58,7 +58,8 @@ def _environ(pid: int) -> str:
 
 def complete_checkpoints_load(folder: Path) -> tuple[int, int]:
     """(checkpoints with a manifest, those of them that do not load)."""
-    from plait.checkpoint import check_compatible, read_manifest, verify
+    from plait.checkpoint import check_compatible, read_manifest
+    from plait.digests import verify
     from plait.config import ConfigError
     from plait.model import ModelArgs
 
