@@ -88,7 +88,7 @@ def test_logits_and_rope_frequencies_equal_transformers(folders, shape):
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     print(f"\n{shape}: max |logits - transformers'| {diff:.2e} over 200 positions")
-    assert diff <= 1e-5  # fp32; measured up to 1.2e-6 (different but equivalent RoPE and attention kernels)
+    assert diff <= 1e-5  # fp32; measured 2.1e-7 to 4.8e-7 (equivalent RoPE layouts, other kernel orders): 20x margin
 
 
 @pytest.mark.parametrize("shape,sharded", [("llama3.2", True), ("llama3.2", False), ("tinyllama", True),
