@@ -1,4 +1,5 @@
-"""Llama 3 in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""Llama 3 in plain PyTorch: RMSNorm, RoPE (with llama3/linear scaling), grouped-query attention,
+SwiGLU, an optionally tied output layer, and a KV cache for generation.
 
 No parallelism lives here; plait/parallel applies it from outside. Parameter names follow
 Meta's reference (tok_embeddings, layers.N.attention.wq, ..., output) so plans and checkpoints
@@ -142,9 +143,10 @@ class Attention(nn.Module):
         repeats = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
         # Causal within the new positions; every cached one lies before them all.
-        mask = torch.ones(seq, k.shape[1], dtype=torch.bool, device=x.device).tril(k.shape[1] - seq)
+        mask = None if cache is None else \
+            torch.ones(seq, k.shape[1], dtype=torch.bool, device=x.device).tril(k.shape[1] - seq)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=None if cache is None else mask, is_causal=cache is None)
+                                             attn_mask=mask, is_causal=cache is None)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
