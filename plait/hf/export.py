@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -18,8 +19,6 @@ from plait.model import ModelArgs
 
 def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
     """Write `out` from the checkpoint `folder`; returns what was written, for the one line."""
-    import json
-
     manifest = read_manifest(folder)
     if manifest is None:
         raise ConfigError(f"checkpoint: {folder} is not a complete plait checkpoint")

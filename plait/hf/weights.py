@@ -67,23 +67,24 @@ def from_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Path, dtype: torch.dtype,
-           shard_bytes: int) -> list[str]:
+                  shard_bytes: int) -> list[str]:
     """Write the weights of a full plait state dict as safetensors into `out`: one
     model.safetensors, or shards of at most `shard_bytes` and their index as transformers
-    writes them. A tied model's output layer is its embedding: only the embedding is written."""
+    writes them. (A tied model has no output.weight: its embedding is all there is, as in
+    the folders transformers writes.)"""
     tensors = {}
     for name, tensor in state_dict.items():
-        if name == "output.weight" and args.tie_embeddings:
-            continue
         if name.endswith(("wq.weight", "wk.weight")):
             tensor = to_hf_rope_order(tensor, args.head_dim)
         tensors[hf_name(name)] = tensor.to(dtype).contiguous()
     shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0  # of the last shard
     for name, tensor in tensors.items():
-        size = sum(t.nbytes for t in shards[-1].values())
         if shards[-1] and size + tensor.nbytes > shard_bytes:
             shards.append({})
+            size = 0
         shards[-1][name] = tensor
+        size += tensor.nbytes
     out.mkdir(parents=True, exist_ok=True)
     names = [WEIGHTS] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
