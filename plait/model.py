@@ -46,6 +46,9 @@ class ModelArgs:
                 hidden = int(self.ffn_dim_multiplier * hidden)
             object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
 
+    def __hash__(self) -> int:  # (rope_scaling is a dict: hashed by its items)
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(self).values()))
+
 
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),

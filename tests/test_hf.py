@@ -210,3 +210,14 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
 def test_a_tied_model_refuses_pipeline_parallelism():
     line = one_line("train", *TINY, "--model.tie_embeddings", "--parallelism.pp", "2", "--nproc", "2")
     assert line.startswith("plait: error: parallelism.pp: the model ties its output layer to its embedding")
+
+
+def test_plan_reads_the_model_of_a_hugging_face_folder(folders):
+    """plait plan builds the folder's model (tied, llama3-scaled RoPE: its shape must hash) and
+    plans it without a pipeline, which a tied model refuses."""
+    proc = subprocess.run([sys.executable, "-m", "plait", "plan", "--world", "2", "--device_memory_gib", "1",
+                           "--checkpoint.load", str(folders("llama3.2")), *TINY, "--data.vocab_size", "300"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("dp_replicate=")]
+    assert rows and "plan: best: " in proc.stdout and not any("pp=2" in row for row in rows)
