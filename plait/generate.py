@@ -117,10 +117,11 @@ def main(argv: list[str]) -> int:
                           f"model's {model.args.max_seq_len} positions")
     print(opts.prompt, end="", flush=True)
     new, shown, start = [], "", time.perf_counter()
+    prompt_length = len(tokenizer.decode(prompt))
     for token in generate(model, prompt, opts.max_new_tokens, opts.temperature, opts.top_p, opts.seed,
                           eos_id(tokenizer, "checkpoint"), opts.kv_cache):
         new.append(token)
-        text = tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
+        text = tokenizer.decode(prompt + new)[prompt_length:]
         if not text.endswith("\ufffd"):  # wait for the rest of a character split across tokens
             print(text[len(shown):], end="", flush=True)
             shown = text
