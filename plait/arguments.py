@@ -13,7 +13,7 @@ import typing
 
 import tyro
 
-from plait.config import ConfigError
+from plait.config import ConfigError, JobConfig, resolve_config_path, toml_to_args
 
 RULE = set("─-+╭╮╰╯ ")  # a box's borders and rules, drawn in Unicode on a terminal, in ASCII elsewhere
 
@@ -73,3 +73,13 @@ def one_line(box: str, cls, prog: str) -> str:
         return f"{name}: unknown option --{name}{hint} ({prog} --help lists every option)"
     option = re.search(r"--([\w.-]+)", text)
     return f"{option.group(1) if option else 'arguments'}: {text}"
+
+
+def parse_args(argv: list[str], prog: str = "plait train") -> JobConfig:
+    """Parse a train-style command line: `--config` first supplies defaults, then the flags."""
+    config_args: list[str] = []
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[1] if arg.startswith("--config=") else (argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+        if name is not None:
+            config_args = toml_to_args(resolve_config_path(name))
+    return parse(JobConfig, config_args + argv, prog)

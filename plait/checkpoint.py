@@ -7,7 +7,10 @@ every file (`plait.digests`). The manifest is written last, atomically, by rank 
 rank's data is on disk, so a folder without one is never taken as complete: a crash mid-save can
 leave debris, never a checkpoint.
 
-Nothing here unpickles user data: tensors go through DCP, everything else is JSON.
+Nothing read here can run code: DCP's files are read through `plait.safe_dcp`, everything
+else is JSON. Every decision that changes which collectives a rank runs (which checkpoint to
+resume, whether a step still needs saving) is rank 0's, sent to the others: ranks can see a
+shared filesystem at different moments (NFS caches lookups), and must not act on their views.
 """
 
 from __future__ import annotations
@@ -28,13 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from tokenizers import Tokenizer
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from plait import digests, hf
+from plait import digests, hf, safe_dcp
 from plait.digests import damaged, verify
 from plait.config import ConfigError, JobConfig
 from plait.hf.tokenizer import TOKENIZER
@@ -92,12 +94,15 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
         diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
         raise ConfigError(f"{option}: {folder} holds another model ({manifest.get('flavor')}: {diff} in this run)")
     try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
+        metadata = safe_dcp.read_metadata(folder)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise ConfigError(f"{option}: {folder} is unreadable: {e}") from None
     saved = metadata.state_dict_metadata
     ends: dict[str, int] = {}  # each data file must reach the end of the last item stored in it
     for info in (metadata.storage_data or {}).values():
+        if Path(info.relative_path).name != info.relative_path:
+            raise ConfigError(f"{option}: {folder}'s DCP metadata names {info.relative_path!r}, a file outside the "
+                              "folder: not a checkpoint plait (or DCP) writes")
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         size = (folder / name).stat().st_size if (folder / name).exists() else None
@@ -161,12 +166,12 @@ def _manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) ->
 
 def load_full_state_dict(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
     """A checkpoint's model weights as one full CPU state dict, in one process (no process group)."""
-    verify(folder, option)
+    verify(folder, read_manifest(folder), option)
     state = Transformer(args).state_dict()
     try:
         with warnings.catch_warnings():  # that no_dist means one process is what is meant here
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+            safe_dcp.load({"model": state}, folder, no_dist=True)
     except (Exception, CheckpointException) as e:
         raise ConfigError(f"checkpoint: loading {folder} failed: {str(e).splitlines()[0]}") from None
     return state
@@ -192,6 +197,13 @@ def _cause(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def rank0s(value):
+    """`value` as rank 0 has it, on every rank: what decides the collectives the ranks run next."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class SaveFailed(RuntimeError):
     """A checkpoint could not be written (a full disk, say): the run stops, nothing is lost silently."""
 
@@ -207,6 +219,7 @@ class Checkpointer:
         if self.root is not None and dist.get_rank() == 0:
             claim_folder(self.root, identity)  # start-up checked that no other job owns it
         self.pending = None  # (future, folder, manifest) of an asynchronous save in flight
+        self.saved_step = None  # the step this run last saved (or resumed): saving it again is a no-op
         self.staging = None  # completes when the save in flight has copied the state it writes
         # Staging copies the state to CPU memory in a background thread while training goes on
         # (until the next optimizer step, see `wait_for_staging`), then it is written from there.
@@ -230,17 +243,20 @@ class Checkpointer:
         """Resume from the newest complete checkpoint in checkpoint.folder (everything: weights,
         optimizer, schedule, data position, RNG) or else start from checkpoint.load (weights
         only: a seed checkpoint never carries data or optimizer state). Returns steps done."""
-        folder = latest_complete(self.cfg.checkpoint.folder)
-        if folder is None:
-            load = Path(self.cfg.checkpoint.load) if self.cfg.checkpoint.load else None
-            if load is not None and hf.is_hf_folder(load):
-                state = hf.HFWeights(load, self.args, "checkpoint.load")
+        choice = rank0s(self._choose() if dist.get_rank() == 0 else None)
+        if choice is None:
+            return 0
+        folder, manifest, resume = Path(choice[0]), choice[1], choice[2]
+        if not resume:
+            if manifest is None:  # a Hugging Face folder
+                state = hf.HFWeights(folder, self.args, "checkpoint.load")
                 fill_weights(getattr(self.model, "module", self.model), lambda name, shape: state[name])
-            elif load is not None:
-                self._load(load, with_optimizer=False, option="checkpoint.load")
+            else:
+                self._load(folder, manifest, with_optimizer=False, option="checkpoint.load")
             return 0
         start = time.perf_counter()
-        manifest = self._load(folder, with_optimizer=True, option="checkpoint.folder")
+        self._load(folder, manifest, with_optimizer=True, option="checkpoint.folder")
+        self.saved_step = manifest["step"]
         self.loader.load_state_dict(manifest["loader"])
         self.scheduler.load_state_dict(manifest["scheduler"])
         self._apply_hyperparameters(manifest.get("hyperparameters", {}))
@@ -249,6 +265,18 @@ class Checkpointer:
             print(f"plait: resumed from {folder} (step {manifest['step']}) in {time.perf_counter() - start:.2f}s",
                   flush=True)
         return manifest["step"]
+
+    def _choose(self) -> tuple[str, dict | None, bool] | None:
+        """Rank 0's choice of what start-up loads: (folder, its manifest, resume?), the newest
+        complete checkpoint of checkpoint.folder, else checkpoint.load (no manifest: a Hugging
+        Face folder); None for neither."""
+        folder = latest_complete(self.cfg.checkpoint.folder)
+        if folder is not None and (manifest := read_manifest(folder)) is not None:
+            return str(folder), manifest, True
+        load = self.cfg.checkpoint.load
+        if not load:
+            return None
+        return load, None if hf.is_hf_folder(Path(load)) else read_manifest(Path(load)), False
 
     def _apply_hyperparameters(self, saved: dict) -> None:
         """This run's training.lr and weight_decay win over the checkpoint's, as its steps and
@@ -270,18 +298,16 @@ class Checkpointer:
             print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former)",
                   flush=True)
 
-    def _load(self, folder: Path, with_optimizer: bool, option: str) -> dict:
-        verify(folder, option, dist.get_rank(), dist.get_world_size())
-        manifest = read_manifest(folder)
+    def _load(self, folder: Path, manifest: dict, with_optimizer: bool, option: str) -> None:
+        verify(folder, manifest, option, dist.get_rank(), dist.get_world_size())
         state = self._state(with_optimizer)
         try:
-            dcp.load(state, checkpoint_id=str(folder))
+            safe_dcp.load(state, folder)
         except (Exception, CheckpointException) as e:
             raise ConfigError(f"checkpoint: loading {folder} failed: {_cause(e)}") from None
         set_model_state_dict(self.model, state["model"])
         if with_optimizer:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        return manifest
 
     def maybe_save(self, step: int) -> None:
         self._finish_pending(block=False)
@@ -300,8 +326,11 @@ class Checkpointer:
     def _save(self, step: int, asynchronous: bool) -> None:
         self._finish_pending(block=True)  # one save in flight at a time
         folder = self.root / f"step-{step}"
-        if read_manifest(folder) is not None:
+        if step == self.saved_step:
+            return  # saved already (every rank knows: a signal on a checkpoint step, or the last)
+        if rank0s(dist.get_rank() == 0 and read_manifest(folder) is not None):
             return  # a complete checkpoint of this step exists: never overwrite a good one
+        self.saved_step = step
         if dist.get_rank() == 0 and folder.exists():
             shutil.rmtree(folder)  # debris of a save that never completed
         dist.barrier()

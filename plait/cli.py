@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from plait.arguments import parse
-from plait.config import ConfigError, parse_args, validate
+from plait.arguments import parse, parse_args
+from plait.config import ConfigError
 
 USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,bench,compare,trace,plan} [options]
 
@@ -33,8 +34,9 @@ subcommands:
 def train(argv: list[str]) -> int:
     cfg = parse_args(argv, prog="plait train")
     if (cfg.nproc > 1 or cfg.max_restarts) and "RANK" not in os.environ:
-        # Check options once here, so a mistake prints one line instead of one per rank.
-        validate(cfg, cfg.nproc)
+        from plait.checks import check_options
+
+        check_options(cfg, cfg.nproc)  # once here, so a mistake prints one line instead of one per rank
         return launch_local(argv, cfg.nproc, cfg.max_restarts)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:
         raise ConfigError(f"nproc: {cfg.nproc} does not match torchrun's world size {os.environ['WORLD_SIZE']}")
@@ -46,19 +48,30 @@ def train(argv: list[str]) -> int:
         run(cfg)
     except (TrainingError, SaveFailed) as e:
         print(f"plait: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return report(1)
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"plait: stopped on {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-    return 0
+        return report(e.exit_code)
+    return report(0)
+
+
+def report(code: int) -> int:
+    """Under `plait train --nproc`, leave this worker's exit code for the launcher (torchrun's
+    agent reports only its own, which after a signal is 1 whatever the workers did)."""
+    if folder := os.environ.get(EXIT_CODES):
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        Path(folder, f"{attempt}-rank-{os.environ.get('RANK', '0')}").write_text(str(code))
+    return code
 
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+EXIT_CODES = "PLAIT_EXIT_CODES"  # the folder where workers leave their exit codes for launch_local
 
 
 def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
-    """`plait train --nproc N`: the same job under torchrun on this machine."""
+    """`plait train --nproc N`: the same job under torchrun on this machine, with the exit code
+    one process would have: 128 + the signal after a preemption, 1 after an error, 0 done."""
     # torchrun would read a passed-through `--nproc` as an abbreviation of its own option.
     worker_argv, skip = [], False
     for i, arg in enumerate(argv):
@@ -69,37 +82,56 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
         if not skip:
             worker_argv.append(arg)
     # torchrun's agent handles SIGUSR1 too (by default it would die of it before its workers save).
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    command = [sys.executable, "-m", "plait.torchrun", "--standalone", f"--nproc-per-node={nproc}",
                f"--max-restarts={max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}", "-m", "plait", "train",
                *worker_argv]
-    # A scheduler signals every process of the job, a container runtime only its first (this one):
-    # SIGTERM and SIGUSR1 are forwarded to the workers, which save and stop (a duplicate changes
-    # nothing).
-    job = subprocess.Popen(command)
-    signalled: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="plait-exit-") as codes:
+        job = subprocess.Popen(command, env={**os.environ, EXIT_CODES: codes})
+        signum, workers = _stop_on_signals(job)
+        # torchrun can return while its workers still save (a repeated signal ends its wait
+        # early): the job ends when its last worker does.
+        while any(alive(pid) for pid in workers):
+            time.sleep(0.1)
+        attempts: dict[int, list[int]] = {}
+        for path in Path(codes).iterdir():
+            attempts.setdefault(int(path.name.split("-")[0]), []).append(int(path.read_text()))
+    return exit_code(job.returncode, signum, attempts[max(attempts)] if attempts else [], nproc)
+
+
+def _stop_on_signals(job: subprocess.Popen) -> tuple[int, list[int]]:
+    """Wait for torchrun; a SIGTERM or SIGUSR1 meanwhile goes to its agent, which forwards it to
+    the workers and, shutting down, never restarts them (a container runtime signals only this
+    process; a scheduler every process, where repeats change nothing). Returns (the signal or 0,
+    the workers it reached)."""
+    received: list[int] = []
+    workers: list[int] = []
 
     def forward(signum, frame):
-        workers = descendants(job.pid)
-        signalled.extend(workers)
-        for pid in workers:
+        if not received:
+            received.append(signum)
+            workers.extend(descendants(job.pid))
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+                os.kill(job.pid, signum)
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, forward)
-    stopping = False
-    while job.poll() is None:
-        # Once the signalled workers have saved and gone, the agent goes too: it would restart them.
-        if signalled and not stopping and not any(alive(pid) for pid in signalled):
-            stopping = True
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(job.pid, signal.SIGTERM)
-        time.sleep(0.1)
-    # torchrun can return while its workers still save (a second SIGTERM ends its wait early):
-    # the job ends when its last worker does.
-    while any(alive(pid) for pid in signalled):
-        time.sleep(0.1)
-    return job.returncode
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        job.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return (received or [0])[0], workers
+
+
+def exit_code(torchrun: int, signum: int, reported: list[int], nproc: int) -> int:
+    """The job's exit code: torchrun's, unless a signal stopped it; then what the workers of the
+    last attempt reported."""
+    if not signum:
+        return torchrun
+    if errors := [c for c in reported if 0 < c < 128]:
+        return errors[0]  # a save that failed on the way out, say: as one process would say
+    if len(reported) == nproc and not any(reported):
+        return 0  # the signal came after the last step: the job is done
+    return 128 + signum
 
 
 def descendants(pid: int) -> list[int]:

@@ -257,18 +257,6 @@ def toml_to_args(path: Path) -> list[str]:
     return args
 
 
-def parse_args(argv: list[str], prog: str = "plait train") -> JobConfig:
-    """Parse a train-style command line: `--config` first supplies defaults, then the flags."""
-    config_args: list[str] = []
-    for i, arg in enumerate(argv):
-        name = arg.split("=", 1)[1] if arg.startswith("--config=") else (argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
-        if name is not None:
-            config_args = toml_to_args(resolve_config_path(name))
-    from plait.arguments import parse  # it raises this module's ConfigError
-
-    return parse(JobConfig, config_args + argv, prog)
-
-
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -279,12 +267,22 @@ def hf_folder(cfg: JobConfig) -> Path | None:
     return load if load is not None and (load / "config.json").is_file() else None
 
 
+def job_tokenizer(cfg: JobConfig) -> str:
+    """data.tokenizer, else the tokenizer.json of a Hugging Face folder given as checkpoint.load
+    (its embeddings are that tokenizer's); empty: a BPE is trained on the corpus."""
+    folder = hf_folder(cfg)
+    if not cfg.data.tokenizer and folder is not None and (folder / "tokenizer.json").is_file():
+        return str(folder / "tokenizer.json")
+    return cfg.data.tokenizer
+
+
 def dp_degree(cfg: JobConfig) -> int:
     return cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
 
 
 def validate(cfg: JobConfig, world: int) -> JobConfig:
-    """Check everything that can be checked without a process group; fill in derived defaults.
+    """Check what the options alone can tell, without a process group; fill in derived defaults.
+    (`plait.checks.check_options` runs this, then the checks that need a module's knowledge.)
 
     Runs identically on every rank, so every rank raises the same error before any collective.
     """
@@ -292,8 +290,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     hf_start = hf_folder(cfg)
     if cfg.model.flavor == "auto" and hf_start is None:
         cfg.model.flavor = "debug"
-    if hf_start is not None and not cfg.data.tokenizer and (hf_start / "tokenizer.json").is_file():
-        cfg.data.tokenizer = str(hf_start / "tokenizer.json")  # its embeddings are that tokenizer's
+    cfg.data.tokenizer = job_tokenizer(cfg)
     for name in ("dp_replicate", "tp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
@@ -333,9 +330,6 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
 
         if not torch.cuda.is_available():
             raise ConfigError("training.device: cuda was asked for but no CUDA device is available; allowed: auto, cpu")
-    from plait.precision import resolve
-
-    resolve(cfg)
     for name in ("steps", "global_batch_size", "seq_len"):
         if getattr(t, name) < 1:
             raise ConfigError(f"training.{name}: must be >= 1, got {getattr(t, name)}")
@@ -353,10 +347,6 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(
             f"training.global_batch_size: {t.global_batch_size} must be a multiple of micro_batch_size"
             f" ({t.micro_batch_size}) x dp degree ({dp})")
-    if p.pp > 1:
-        from plait.parallel.pipeline import check_pipeline
-
-        check_pipeline(cfg)
     if cfg.metrics.log_interval < 1 or cfg.comm.timeout_seconds < 1:
         raise ConfigError("metrics.log_interval and comm.timeout_seconds: must be >= 1")
     for name in ("path", "tokenizer", "val_path"):

@@ -61,10 +61,10 @@ def damaged(folder: Path) -> str:
     return f"the checkpoint is damaged; move {folder} away to resume from the one before it"
 
 
-def verify(folder: Path, option: str, rank: int = 0, world: int = 1) -> None:
-    """Every file of `folder` against its digest in the manifest (plait.json), each rank hashing
-    its share; with a process group, every rank raises the same one line if any share failed."""
-    manifest = json.loads((folder / "plait.json").read_text())
+def verify(folder: Path, manifest: dict, option: str, rank: int = 0, world: int = 1) -> None:
+    """Every file of `folder` against its digest in `manifest` (its plait.json, as rank 0 read it),
+    each rank hashing its share; with a process group, every rank raises the same one line if any
+    share failed."""
     failure = first_mismatch(folder, manifest.get("digests"), rank, world)
     if world > 1:
         failures = [None] * world

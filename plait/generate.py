@@ -32,7 +32,7 @@ class GenerateArgs:
     checkpoint: str
     """a plait checkpoint (seed or training) or a Hugging Face Llama folder"""
     prompt: str
-    """the text to continue"""
+    """the text to continue; "" samples a text from nothing (from the end-of-text token)"""
     max_new_tokens: int = 64
     """tokens to generate at most (fewer if the end-of-text token comes first)"""
     temperature: float = 0.8
@@ -111,7 +111,10 @@ def main(argv: list[str]) -> int:
                           f"{opts.temperature}, {opts.top_p}, {opts.max_new_tokens}")
     model, tokenizer = load(Path(opts.checkpoint))
     model.to(getattr(torch, opts.dtype))
-    prompt = tokenizer.encode(opts.prompt).ids
+    eos = eos_id(tokenizer, "checkpoint")
+    # An empty prompt (with a tokenizer that adds no start token) samples the model unconditionally:
+    # from the end-of-text token, after which every document of training began.
+    prompt = tokenizer.encode(opts.prompt).ids or [eos]
     if len(prompt) + opts.max_new_tokens > model.args.max_seq_len:
         raise ConfigError(f"max_new_tokens: the prompt's {len(prompt)} tokens + {opts.max_new_tokens} exceed the "
                           f"model's {model.args.max_seq_len} positions")
@@ -119,7 +122,7 @@ def main(argv: list[str]) -> int:
     new, shown, start = [], "", time.perf_counter()
     prompt_length = len(tokenizer.decode(prompt))
     for token in generate(model, prompt, opts.max_new_tokens, opts.temperature, opts.top_p, opts.seed,
-                          eos_id(tokenizer, "checkpoint"), opts.kv_cache):
+                          eos, opts.kv_cache):
         new.append(token)
         text = tokenizer.decode(prompt + new)[prompt_length:]
         if not text.endswith("\ufffd"):  # wait for the rest of a character split across tokens

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from plait.data.tokenizer import cache_dir, cached_file
+from plait.cache import cache_dir, cached_file
 
 # Dense peak TFLOP/s (bf16 tensor cores, fp32 without TF32) from the vendors' data sheets, matched
 # against torch.cuda.get_device_name() in order: the first pattern found in the name wins, so

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from plait import hf, parallel
 from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
-from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, validate, world_size
+from plait.checks import check_options
+from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, world_size
 from plait.data import BatchLoader, eval_batches, open_data
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
@@ -221,7 +222,7 @@ def check_data_sizes(cfg: JobConfig, corpus) -> None:
 
 def run(cfg: JobConfig) -> list[dict]:
     """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
-    validate(cfg, world_size())
+    check_options(cfg, world_size())
     set_threads(cfg)
     if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

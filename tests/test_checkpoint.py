@@ -106,7 +106,7 @@ def test_kill_and_resume_is_bitwise_exact(tmp_path, precision):
 def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
     """Changed on resume, training.lr and weight_decay take effect like steps and warmup_steps do
     (they used to come back from the checkpoint silently): the logged lr is the new schedule's."""
-    from plait.config import parse_args
+    from plait.arguments import parse_args
     from plait.train import lr_lambda
 
     folder = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.interval", "3"]
@@ -340,3 +340,83 @@ HF_MATH_CHANGES = [  # (config.json fields changed, the words that must name it)
     ({"rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
      "rope_theta 500000.0 vs 10000.0"),
 ]
+
+
+def test_a_checkpoint_folder_cannot_run_code(tmp_path):
+    """DCP keeps its metadata as a pickle and loads non-tensor values with a full unpickler: a
+    downloaded folder with a real plait.json (digests matching) and a crafted file would run code
+    under generate, export, --checkpoint.load or a resume. Each is one line naming what the file
+    asked for, and the payload never runs."""
+    import hashlib
+    import pickle
+
+    from plait.safe_dcp import read_metadata
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    def forge(folder, name, data):
+        (folder / name).write_bytes(data)
+        manifest = json.loads((folder / "plait.json").read_text())
+        manifest["digests"][name] = hashlib.sha256(data).hexdigest()
+        (folder / "plait.json").write_text(json.dumps(manifest))
+
+    run_plait(tmp_path, "--training.steps", "2", "--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "2")
+    step = tmp_path / "c" / "step-2"
+    evil = tmp_path / "evil"
+    shutil.copytree(step, evil)
+    forge(evil, ".metadata", pickle.dumps(Payload()))
+    refused = "is unreadable: its .metadata asks to build posix.system, which is not part of DCP metadata"
+    for command in (["generate", "--checkpoint", str(evil), "--prompt", "x"],
+                    ["export", "--checkpoint", str(evil), "--out", str(tmp_path / "out")],
+                    ["train", *TINY, "--training.steps", "1", "--checkpoint.load", str(evil)]):
+        proc = plait(*command, check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and refused in proc.stderr, \
+            proc.stderr[-2000:]
+    # A param-group value (loaded as bytes, not as a tensor) replaced by the payload, in place.
+    [info] = [v for k, v in read_metadata(step).storage_data.items() if k.fqn == "optimizer.param_groups.0.lr"]
+    payload = pickle.dumps(Payload(), protocol=2)
+    data = bytearray((step / info.relative_path).read_bytes())
+    assert len(payload) <= info.length
+    data[info.offset:info.offset + len(payload)] = payload
+    forge(step, info.relative_path, bytes(data))
+    _, proc = run_plait(tmp_path, "--training.steps", "4", "--checkpoint.folder", str(tmp_path / "c"), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"plait: error: checkpoint: loading {step} failed: optimizer.param_groups.0.lr is not checkpoint data (Trying "
+        "to load unsupported GLOBAL posix.system whose module posix is blocked); refused, nothing from it was run"]
+    assert not marker.exists()
+
+
+STALE_VIEW = '''
+# Rank 1 sees checkpoint.folder as a stale NFS client cache can: without its newest checkpoint.
+import os
+
+if os.environ.get("RANK") == "1":
+    import plait.checkpoint as checkpoint
+
+    def stale(root, seen=checkpoint.latest_complete):
+        newest = seen(root)
+        older = [p for p in newest.parent.glob("step-*") if p != newest] if newest else []
+        return max(older, key=lambda p: int(p.name.removeprefix("step-")), default=None)
+
+    checkpoint.latest_complete = stale
+'''
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path, monkeypatch):
+    """On a shared filesystem a rank can miss the newest checkpoint (rank 1 here, by a
+    sitecustomize): it resumes rank 0's choice all the same, and the run equals the straight one."""
+    folder = ["--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "2", "--parallelism.dp_shard", "2"]
+    straight, _ = run_plait(tmp_path, "--training.steps", "6", *folder, nproc=2)
+    shutil.rmtree(tmp_path / "c" / "step-6")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STALE_VIEW)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
+    resumed, proc = run_plait(tmp_path, "--training.steps", "6", *folder, "--comm.timeout_seconds", "30", nproc=2,
+                              check=False, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'c' / 'step-4'}" in proc.stdout
+    assert [r["step"] for r in resumed] == [5, 6] and losses(resumed) == losses(straight)[4:]

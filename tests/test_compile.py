@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from conftest import AUTOCAST, BF16, LAYOUTS, STEPS, layout_run, losses, max_abs_diff, run_plait
 from plait import parallel
-from plait.config import parse_args, validate
+from plait.arguments import parse_args
+from plait.checks import check_options
 from plait.model import cross_entropy, model_args
 from plait.precision import TrainContexts, resolve
 
@@ -44,7 +45,7 @@ def _compiled_autograd_ddp(rank, world, store_path, results):
     try:
         grads = {}
         for compiled in (False, True):
-            cfg = validate(parse_args([*CLASSIC_DDP, "--compile.enable" if compiled else "--compile.no_enable",
+            cfg = check_options(parse_args([*CLASSIC_DDP, "--compile.enable" if compiled else "--compile.no_enable",
                                        "--compile.autograd" if compiled else "--compile.no_autograd"]), world)
             mesh, _ = parallel.build_mesh(cfg, "cpu")
             precision = resolve(cfg)

@@ -6,13 +6,15 @@ import sys
 import pytest
 
 from plait.cli import main
-from plait.config import ConfigError, grad_accumulation_steps, parse_args, validate
+from plait.arguments import parse_args
+from plait.checks import check_options
+from plait.config import ConfigError, grad_accumulation_steps
 
 
 def test_defaults_and_named_config():
     cfg = parse_args([])
     assert cfg.model.flavor == "auto" and cfg.parallelism.dp_shard == -1
-    assert validate(cfg, 1).model.flavor == "debug"  # auto: debug, without a Hugging Face folder to read
+    assert check_options(cfg, 1).model.flavor == "debug"  # auto: debug, without a Hugging Face folder to read
     assert parse_args(["--config", "small"]).model.flavor == "small"
 
 
@@ -76,7 +78,7 @@ def test_unknown_config_name_lists_named_configs():
 ])
 def test_validation_errors_name_the_option(argv, fragment):
     with pytest.raises(ConfigError, match=fragment):
-        validate(parse_args(argv), world=4)
+        check_options(parse_args(argv), world=4)
 
 
 def test_pipeline_stages_are_balanced_or_split_where_asked():
@@ -92,9 +94,9 @@ def test_pipeline_stages_are_balanced_or_split_where_asked():
 
 
 def test_batch_arithmetic():
-    cfg = validate(parse_args(["--training.global_batch_size", "16", "--parallelism.dp_replicate", "2"]), world=4)
+    cfg = check_options(parse_args(["--training.global_batch_size", "16", "--parallelism.dp_replicate", "2"]), world=4)
     assert (cfg.parallelism.dp_shard, cfg.training.micro_batch_size) == (2, 4)
-    cfg = validate(parse_args(["--training.global_batch_size", "16", "--training.micro_batch_size", "2"]), world=2)
+    cfg = check_options(parse_args(["--training.global_batch_size", "16", "--training.micro_batch_size", "2"]), world=2)
     assert grad_accumulation_steps(cfg) == 4
 
 

@@ -12,7 +12,7 @@ import torch
 
 from conftest import ROOT, TINY
 from plait import hardware, precision
-from plait.config import parse_args
+from plait.arguments import parse_args
 from plait.hardware import Peak, peak_flops
 from plait.metrics import Utilisation
 

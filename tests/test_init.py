@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from plait.config import parse_args, validate
+from plait.arguments import parse_args
+from plait.checks import check_options
 from plait.model import Transformer, model_args
 from plait.precision import resolve
 from plait.weights import init_weights
@@ -22,7 +23,7 @@ def _check_layout(rank, world, store_path, dims, reference):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
-        cfg = validate(parse_args(["--parallelism.dp_replicate", str(dims[0]), "--parallelism.dp_shard", str(dims[1]),
+        cfg = check_options(parse_args(["--parallelism.dp_replicate", str(dims[0]), "--parallelism.dp_shard", str(dims[1]),
                                    "--parallelism.tp", str(dims[2]), "--training.seed", "7"]), world)
         mesh, _ = parallel.build_mesh(cfg, "cpu")
         model = parallel.build_model(model_args("debug", 500), mesh, cfg, resolve(cfg), torch.device("cpu"))

@@ -14,7 +14,8 @@ from conftest import BF16, LAYOUTS, REPORTS, STEPS, TINY, layout_run, losses
 from plait import plan
 from plait.plan import comm, memory
 from plait.cli import main
-from plait.config import parse_args, validate
+from plait.arguments import parse_args
+from plait.checks import check_options
 from plait.proof.trace import summarise
 from test_parity import PIPELINES_BF16, SPMD, mode
 
@@ -75,7 +76,7 @@ def check(train_once, name: str, precision: str, extra: list[str] = ()) -> dict:
     autocast = mode(name, precision)
     options = [*STEPS, *args, *PRECISIONS[precision], *autocast, *extra]
     rows, probe = train_once(world, *options)
-    cfg = validate(parse_args([*TINY, *options]), world)
+    cfg = check_options(parse_args([*TINY, *options]), world)
     model, stages = plan.model_shape(cfg), memory.rank_stages(cfg, 0)
     p = cfg.parallelism
     layout = memory.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp)

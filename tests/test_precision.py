@@ -4,7 +4,9 @@ gradients in the dtype asked for, proven from the ops that actually ran (the dty
 import pytest
 
 from conftest import AUTOCAST, BF16, LAYOUTS, layout_run, losses, max_abs_diff
-from plait.config import ConfigError, parse_args, validate
+from plait.arguments import parse_args
+from plait.checks import check_options
+from plait.config import ConfigError
 
 pytestmark = pytest.mark.slow
 BF16_REDUCE = ["--training.mixed_precision_reduce", "bfloat16"]
@@ -139,4 +141,4 @@ def test_differences_between_modes_and_reduce_dtypes_are_reported(runs):
 ])
 def test_combinations_that_cannot_be_honoured_refuse_to_start(argv, fragment):
     with pytest.raises(ConfigError, match=fragment):
-        validate(parse_args(argv), world=2)
+        check_options(parse_args(argv), world=2)

@@ -74,22 +74,56 @@ def signal_at_random_step(command: list[str], signum: int) -> tuple[int, str, in
 
 @pytest.mark.parametrize("launcher", ["plait", "torchrun"])
 def test_sigterm_saves_the_step_and_the_restart_is_bitwise(tmp_path, uninterrupted, launcher):
+    """Under `plait train --nproc 2` every step is a checkpoint step (interval 1): the signal's
+    save finds the step saved already, on every rank alike. Exit codes: 128 + 15 from plait's
+    launcher, 1 from a bare torchrun (its agent dies of a SignalException; README)."""
     folder, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    train = [*TINY, *STEPS, *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "100",
+    interval = "1" if launcher == "plait" else "100"
+    train = [*TINY, *STEPS, *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", interval,
              "--metrics.log_interval", "1", "--metrics.jsonl", str(metrics)]
     start = [sys.executable, "-m", "plait", "train", "--nproc", "2"] if launcher == "plait" else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "plait", "train"]
     at, out, code, seconds = signal_at_random_step([*start, *train], signal.SIGTERM)
     done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1]
     print(f"\n{launcher}: SIGTERM at step {at}, saved step {done}, every process gone after {seconds:.1f}s")
-    assert seconds < GRACE and code != 0
+    assert seconds < GRACE and code == (128 + signal.SIGTERM if launcher == "plait" else 1), out[-3000:]
     assert done in (at, at + 1)  # the signal may land after the step's agreement: then the next step ends it
-    assert [p.name for p in folder.iterdir() if p.name.startswith("step-")] == [f"step-{done}"]
-    assert (folder / f"step-{done}" / "plait.json").exists()
+    saved = range(1, done + 1) if launcher == "plait" else [done]
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == sorted(f"step-{s}" for s in saved)
+    assert all((folder / f"step-{s}" / "plait.json").exists() for s in saved)
+    assert "SaveFailed" not in out and "overwriting" not in out
+    assert launcher == "torchrun" or "Traceback" not in out  # torchrun's agent prints its SignalException's
     assert f"plait: stopped on SIGTERM after step {done}: saved {folder / f'step-{done}'}" in out
     resumed, proc = run_plait(tmp_path, *STEPS, *FSDP2, "--checkpoint.folder", str(folder), nproc=2, metrics=metrics)
     assert f"resumed from {folder / f'step-{done}'}" in proc.stdout
     assert losses(resumed) == uninterrupted
+
+
+def test_a_signal_on_the_last_step_exits_143_and_is_never_restarted(tmp_path):
+    """SIGTERM to `plait train --nproc 2 --max-restarts 3` alone (a container runtime signals only
+    the first process) while step 7 of 8 saves: the job stops after step 8, the last step and a
+    checkpoint step, saved once, exits 128 + 15, and torchrun's agent restarts nothing."""
+    folder = tmp_path / "c"
+    command = [sys.executable, "-m", "plait", "train", "--nproc", "2", "--max-restarts", "3", *TINY,
+               "--training.steps", "8", *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "1",
+               "--metrics.log_interval", "1"]
+    proc, out = start_until_step(command, 7)
+    try:
+        everyone = [proc.pid, *descendants(proc.pid)]
+        sent = time.perf_counter()
+        os.kill(proc.pid, signal.SIGTERM)
+        out += proc.stdout.readlines()
+        code = proc.wait(timeout=GRACE)
+        seconds = time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(out)
+    assert code == 128 + signal.SIGTERM, out[-3000:]
+    assert f"plait: stopped on SIGTERM after step 8: saved {folder / 'step-8'}" in out
+    assert "will restart" not in out and "Traceback" not in out and "overwriting" not in out
+    assert (folder / "step-8" / "plait.json").exists() and not any(alive(pid) for pid in everyone)
+    print(f"\nSIGTERM to the launcher on the last step: exit {code}, every process gone after {seconds:.1f}s")
 
 
 def test_sigusr1_without_a_checkpoint_folder_says_nothing_was_saved(tmp_path):

@@ -19,9 +19,10 @@ from plait.config import ConfigError, Data, mix_sources
 from plait.data.documents import fingerprint, load_texts
 from plait.data.loader import BatchLoader, eval_batches
 from plait.data.shards import MANIFEST, TOKENIZER, TokenizedFolder, is_tokenized, write_folder
-from plait.data.tokenizer import cache_dir, eos_id, file_lock, load_tokenizer, sha256, trained_tokenizer
+from plait.cache import cache_dir, file_lock
+from plait.data.tokenizer import eos_id, load_tokenizer, sha256, trained_tokenizer
 
-__all__ = ["BatchLoader", "Corpus", "build_tokenizer", "eos_id", "eval_batches", "open_data"]
+__all__ = ["BatchLoader", "Corpus", "build_tokenizer", "eos_id", "eval_batches", "open_data", "vocab_size"]
 
 
 @dataclass
@@ -47,6 +48,11 @@ def _train_paths(cfg: Data) -> list[tuple[str, float]]:
 def build_tokenizer(cfg: Data, texts: list[str] | None = None) -> Tokenizer:
     """The run's tokenizer: data.tokenizer if given, else the one a tokenized source was made
     with, else a BPE trained on data.path."""
+    return _given_tokenizer(cfg) or trained_tokenizer(cfg, texts)
+
+
+def _given_tokenizer(cfg: Data) -> Tokenizer | None:
+    """data.tokenizer, or the tokenizer a tokenized source was made with; None: a BPE is trained."""
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
     option = "data.mix" if cfg.mix else "data.path"
@@ -55,7 +61,14 @@ def build_tokenizer(cfg: Data, texts: list[str] | None = None) -> Tokenizer:
             return load_tokenizer(str(Path(path) / TOKENIZER), option)
     if cfg.mix:
         raise ConfigError("data.mix: raw-text sources need data.tokenizer (or tokenize them first: plait tokenize)")
-    return trained_tokenizer(cfg, texts)
+    return None
+
+
+def vocab_size(cfg: Data) -> int:
+    """The vocabulary of the run's tokenizer without tokenizing anything (for `plait plan`): a
+    given tokenizer's, else the trained BPE's data.vocab_size (which a corpus of any size reaches)."""
+    given = _given_tokenizer(cfg)
+    return given.get_vocab_size() if given is not None else cfg.vocab_size
 
 
 def open_data(cfg: Data) -> Corpus:

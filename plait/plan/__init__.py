@@ -25,10 +25,11 @@ import copy
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from plait.arguments import parse
-from plait.config import ConfigError, JobConfig, parse_args, validate
+from plait.arguments import parse, parse_args
+from plait.checks import check_options
+from plait.config import ConfigError, JobConfig, hf_folder, job_tokenizer
 from plait.hardware import GPU_PEAK_TFLOPS
 from plait.model import ModelArgs
 from plait.plan.comm import Hardware, collectives, step_seconds
@@ -53,7 +54,7 @@ def job(cfg: JobConfig, layout: Layout, ac: str, world: int) -> JobConfig:
     if layout.pp > 1:
         cfg.training.micro_batch_size = 0  # the pipeline's micro-batches are the accumulation
     cfg.activation_checkpoint.mode = ac
-    return validate(cfg, world)
+    return check_options(cfg, world)
 
 
 @dataclass
@@ -155,14 +156,15 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def model_shape(cfg: JobConfig) -> ModelArgs:
+    """The job's model from options and files alone: a Hugging Face folder's config.json, or the
+    flavor with the tokenizer's vocabulary (nothing is tokenized: plan needs shapes only)."""
     from plait import hf
+    from plait.data import vocab_size
     from plait.model import FLAVORS
 
-    vocab = 0
-    if cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0:  # the tokenizer's, as training settles it
-        from plait.data import build_tokenizer
-
-        vocab = build_tokenizer(cfg.data).get_vocab_size()
+    vocab = 0  # the tokenizer's, as training settles it (a Hugging Face folder's must fit its embeddings)
+    if hf_folder(cfg) is not None or cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0:
+        vocab = vocab_size(replace(cfg.data, tokenizer=job_tokenizer(cfg)))
     return hf.job_model(cfg, vocab)
 
 

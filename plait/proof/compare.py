@@ -23,7 +23,9 @@ from typing import Annotated, Literal
 import tyro
 
 from plait.arguments import parse
-from plait.config import ConfigError, JobConfig, _sections, parse_args, validate
+from plait.arguments import parse_args
+from plait.checks import check_options
+from plait.config import ConfigError, JobConfig, _sections
 
 METRICS = ("loss", "val_loss", "grad_norm")  # compared between runs, when both have them
 FLOOR = 1e-12  # where the log-scale plot shows a zero difference, so bitwise-equal runs stay visible
@@ -168,7 +170,7 @@ def plan(args: CompareArgs, shared: list[str]):
         p = cfg.parallelism
         world = nproc or p.dp_replicate * max(p.dp_shard, 1) * p.tp * p.pp
         try:
-            validate(cfg, world)
+            check_options(cfg, world)
             check_divisibility(model, cfg)  # a tp that does not split the heads fails now, not mid-compare
         except ConfigError as e:
             raise ConfigError(f"run {spec!r} (world {world}): {e}") from None

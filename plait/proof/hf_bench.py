@@ -26,7 +26,8 @@ import json, os, resource, sys, time
 import torch, torch.distributed as dist
 from pathlib import Path
 from plait import hf, parallel
-from plait.config import JobConfig, validate
+from plait.checks import check_options
+from plait.config import JobConfig
 from plait.precision import resolve
 from plait.train import init_distributed
 from plait.weights import fill_weights
@@ -35,7 +36,7 @@ def gib(field):
     return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]) / 2**20
 
 folder, world = Path(sys.argv[1]), int(os.environ["WORLD_SIZE"])
-cfg = validate(JobConfig(), world)
+cfg = check_options(JobConfig(), world)
 cfg.training.mixed_precision_param = "float32"
 init_distributed(cfg, torch.device("cpu"))
 mesh, _ = parallel.build_mesh(cfg, "cpu")

@@ -68,7 +68,7 @@ def complete_checkpoints_load(folder: Path) -> tuple[int, int]:
     for p in complete:
         try:
             check_compatible(p, ModelArgs(**read_manifest(p)["model_args"]), "soak")
-            verify(p, "soak")
+            verify(p, read_manifest(p), "soak")
         except ConfigError:
             bad += 1
     return len(complete), bad

@@ -1,0 +1,20 @@
+"""The start-up checks of a job's options: config.py's (what the options alone tell), then those
+that need a module's knowledge (the precision table, the pipeline's schedules), each living in
+its module. Every rank runs them before any process group exists; `plait train --nproc` runs
+them once before it launches, so a mistake prints one line instead of one per rank."""
+
+from __future__ import annotations
+
+from plait.config import JobConfig, validate
+from plait.parallel.pipeline import check_pipeline
+from plait.precision import resolve
+
+
+def check_options(cfg: JobConfig, world: int) -> JobConfig:
+    """Every option against the others and the device, for `world` ranks; fills in the derived
+    defaults (micro_batch_size, dp_shard, ...) as `config.validate` does. ConfigError if wrong."""
+    validate(cfg, world)
+    resolve(cfg)
+    if cfg.parallelism.pp > 1:
+        check_pipeline(cfg)
+    return cfg
