@@ -197,7 +197,7 @@ def _cause(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def rank0s(value):
+def from_rank0(value):
     """`value` as rank 0 has it, on every rank: what decides the collectives the ranks run next."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -243,7 +243,7 @@ class Checkpointer:
         """Resume from the newest complete checkpoint in checkpoint.folder (everything: weights,
         optimizer, schedule, data position, RNG) or else start from checkpoint.load (weights
         only: a seed checkpoint never carries data or optimizer state). Returns steps done."""
-        choice = rank0s(self._choose() if dist.get_rank() == 0 else None)
+        choice = from_rank0(self._choose() if dist.get_rank() == 0 else None)
         if choice is None:
             return 0
         folder, manifest, resume = Path(choice[0]), choice[1], choice[2]
@@ -328,7 +328,7 @@ class Checkpointer:
         folder = self.root / f"step-{step}"
         if step == self.saved_step:
             return  # saved already (every rank knows: a signal on a checkpoint step, or the last)
-        if rank0s(dist.get_rank() == 0 and read_manifest(folder) is not None):
+        if from_rank0(dist.get_rank() == 0 and read_manifest(folder) is not None):
             return  # a complete checkpoint of this step exists: never overwrite a good one
         self.saved_step = step
         if dist.get_rank() == 0 and folder.exists():

@@ -8,6 +8,7 @@ bitwise, sharded or not, tied or not; and a folder plait trained and exported ge
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -159,6 +160,11 @@ def test_a_trained_and_exported_folder_generates_in_transformers_as_plait_genera
     assert ours == theirs and len(ours) >= 1
     assert plait_generate(exported, "--no-kv-cache") == ours
     assert plait_generate(tmp_path / "c" / "step-2") == ours
+    # An empty prompt samples from the end-of-text token, which every training document followed.
+    prompt = ""
+    from_nothing = plait_generate(exported)
+    prompt = "<|eos|>"  # the token itself, as text
+    assert len(from_nothing) >= 1 and from_nothing == plait_generate(exported)
 
 
 def one_line(*args) -> str:
@@ -210,6 +216,25 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
 def test_a_tied_model_refuses_pipeline_parallelism():
     line = one_line("train", *TINY, "--model.tie_embeddings", "--parallelism.pp", "2", "--nproc", "2")
     assert line.startswith("plait: error: parallelism.pp: the model ties its output layer to its embedding")
+
+
+def test_plan_takes_a_folders_tokenizer_and_tokenizes_nothing(folders, tmp_path):
+    """With the folder's own tokenizer (300 tokens, its embeddings 320) and no data option, plan
+    predicts from shapes alone: no BPE is trained (the cache stays empty), no error about a
+    vocabulary the run would never have."""
+    import shutil
+
+    from plait.data.tokenizer import train_bpe
+
+    folder = tmp_path / "with_tokenizer"
+    shutil.copytree(folders("tinyllama"), folder)
+    train_bpe([(ROOT / "README.md").read_text()], 300).save(str(folder / "tokenizer.json"))
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-m", "plait", "plan", "--world", "2", "--device_memory_gib", "1",
+                           "--checkpoint.load", str(folder)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PLAIT_CACHE": str(cache)})
+    assert proc.returncode == 0 and "plan: best: " in proc.stdout, proc.stderr[-2000:]
+    assert not cache.exists() or not list(cache.iterdir())
 
 
 def test_plan_reads_the_model_of_a_hugging_face_folder(folders):
