@@ -87,7 +87,7 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
                *worker_argv]
     with tempfile.TemporaryDirectory(prefix="plait-exit-") as codes:
         job = subprocess.Popen(command, env={**os.environ, EXIT_CODES: codes})
-        signum, workers = _stop_on_signals(job)
+        signum, workers = _wait_forwarding_signals(job)
         # torchrun can return while its workers still save (a repeated signal ends its wait
         # early): the job ends when its last worker does.
         while any(alive(pid) for pid in workers):
@@ -98,7 +98,7 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
     return exit_code(job.returncode, signum, attempts[max(attempts)] if attempts else [], nproc)
 
 
-def _stop_on_signals(job: subprocess.Popen) -> tuple[int, list[int]]:
+def _wait_forwarding_signals(job: subprocess.Popen) -> tuple[int, list[int]]:
     """Wait for torchrun; a SIGTERM or SIGUSR1 meanwhile goes to its agent, which forwards it to
     the workers and, shutting down, never restarts them (a container runtime signals only this
     process; a scheduler every process, where repeats change nothing). Returns (the signal or 0,

@@ -76,7 +76,7 @@ def signal_at_random_step(command: list[str], signum: int) -> tuple[int, str, in
 def test_sigterm_saves_the_step_and_the_restart_is_bitwise(tmp_path, uninterrupted, launcher):
     """Under `plait train --nproc 2` every step is a checkpoint step (interval 1): the signal's
     save finds the step saved already, on every rank alike. Exit codes: 128 + 15 from plait's
-    launcher, 1 from a bare torchrun (its agent dies of a SignalException; README)."""
+    launcher, 1 from a bare torchrun (its agent dies of a SignalException; docs/clusters.md)."""
     folder, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     interval = "1" if launcher == "plait" else "100"
     train = [*TINY, *STEPS, *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", interval,
@@ -126,6 +126,19 @@ def test_a_signal_on_the_last_step_exits_143_and_is_never_restarted(tmp_path):
     print(f"\nSIGTERM to the launcher on the last step: exit {code}, every process gone after {seconds:.1f}s")
 
 
+def test_the_launchers_exit_code_is_what_one_process_would_return():
+    """(torchrun's code, the signal the launcher got, what the last attempt's workers reported)."""
+    from plait.cli import exit_code
+
+    term = 128 + signal.SIGTERM
+    assert exit_code(1, 0, [1, 0], 2) == 1  # no signal: torchrun's verdict on its workers
+    assert exit_code(1, signal.SIGTERM, [term, term], 2) == term  # preempted: torchrun says 1 regardless
+    assert exit_code(1, signal.SIGTERM, [], 2) == term  # signalled before any worker could report
+    assert exit_code(1, signal.SIGTERM, [term, 1], 2) == 1  # a rank's save failed on the way out
+    assert exit_code(1, signal.SIGTERM, [0, 0], 2) == 0  # the signal came after the last step
+    assert exit_code(1, signal.SIGTERM, [0], 2) == term  # one rank finished, the other never said
+
+
 def test_sigusr1_without_a_checkpoint_folder_says_nothing_was_saved(tmp_path):
     command = [sys.executable, "-m", "plait", "train", *TINY, *STEPS, "--metrics.log_interval", "1"]
     at, out, code, _ = signal_at_random_step(command, signal.SIGUSR1)
@@ -157,7 +170,7 @@ def test_a_failed_save_is_one_line_and_loses_nothing(tmp_path):
 def test_a_hung_rank_ends_the_job_naming_the_collective_and_the_step(tmp_path):
     """SIGSTOP: the rank neither answers nor dies. The other fails after comm.timeout_seconds with
     the line. torchrun would then give the stopped rank a fixed 30 s before SIGKILL (measured
-    36-40 s to the end of the job; README); the test resumes the rank instead of waiting that
+    36-40 s to the end of the job; docs/clusters.md); the test resumes the rank instead of waiting that
     out, and the job ends at once."""
     timeout = 5
     command = [sys.executable, "-m", "plait", "train", "--nproc", "2", *TINY, "--training.steps", "1000",
@@ -213,7 +226,7 @@ def free_port() -> int:
 
 
 def test_two_agents_with_the_c10d_rendezvous_are_one_job(tmp_path, train_once):
-    """Two torchrun agents of 2 ranks each, as two machines would run them (README: Multi-node):
+    """Two torchrun agents of 2 ranks each, as two machines would run them (docs/clusters.md):
     one job of world 4, per-step losses bitwise those of one agent with 4 ranks (HSDP 2x2)."""
     from conftest import LAYOUTS, layout_run
 
