@@ -30,7 +30,6 @@ ALLOWED = {
     "torch.serialization": {"_get_layout"},  # a layout by its name
     "torch": {"Size"},  # and the dtypes, by name (below)
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # the checkpoint's id
-    "collections": {"OrderedDict"},
 }
 
 
