@@ -246,7 +246,8 @@ class Checkpointer:
         choice = from_rank0(self._choose() if dist.get_rank() == 0 else None)
         if choice is None:
             return 0
-        folder, manifest, resume = Path(choice[0]), choice[1], choice[2]
+        folder, manifest, resume = choice
+        folder = Path(folder)
         if not resume:
             if manifest is None:  # a Hugging Face folder
                 state = hf.HFWeights(folder, self.args, "checkpoint.load")
@@ -271,8 +272,8 @@ class Checkpointer:
         complete checkpoint of checkpoint.folder, else checkpoint.load (no manifest: a Hugging
         Face folder); None for neither."""
         folder = latest_complete(self.cfg.checkpoint.folder)
-        if folder is not None and (manifest := read_manifest(folder)) is not None:
-            return str(folder), manifest, True
+        if folder is not None:
+            return str(folder), read_manifest(folder), True
         load = self.cfg.checkpoint.load
         if not load:
             return None
