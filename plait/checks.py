@@ -6,6 +6,7 @@ them once before it launches, so a mistake prints one line instead of one per ra
 from __future__ import annotations
 
 from plait.config import JobConfig, validate
+from plait.masking import check_attention
 from plait.parallel.pipeline import check_pipeline
 from plait.precision import resolve
 
@@ -15,6 +16,7 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     defaults (micro_batch_size, dp_shard, ...) as `config.validate` does. ConfigError if wrong."""
     validate(cfg, world)
     resolve(cfg)
+    check_attention(cfg)
     if cfg.parallelism.pp > 1:
         check_pipeline(cfg)
     return cfg

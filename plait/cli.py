@@ -17,7 +17,7 @@ from typing import Literal
 from plait.arguments import parse, parse_args
 from plait.config import ConfigError
 
-USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,bench,compare,trace,plan} [options]
+USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,bench,bench-context,compare,trace,plan} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -26,6 +26,7 @@ subcommands:
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
   generate         continue a text: plait generate --checkpoint DIR --prompt TEXT [--temperature 0]
   bench            measure layouts x precisions side by side (plait bench --help)
+  bench-context    long sequences: seq_len x (CP1, CP2) x (causal, document), tokens/s and memory
   compare          train under several layouts from one seed, compare losses (plait compare --help)
   plan             predicted memory, communication and step time of every layout: plait plan --world N --device_memory_gib G
   trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...
@@ -179,6 +180,12 @@ def bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def bench_context(argv: list[str]) -> int:
+    from plait.proof.context_bench import main as context_main
+
+    return context_main(argv)
+
+
 def compare(argv: list[str]) -> int:
     from plait.proof.compare import main as compare_main
 
@@ -249,7 +256,7 @@ def generate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
-            "generate": generate, "bench": bench, "compare": compare,
+            "generate": generate, "bench": bench, "bench-context": bench_context, "compare": compare,
             "trace": trace, "plan": plan}
 
 

@@ -36,6 +36,13 @@ class Model:
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
+    attention_mask: Literal["document", "causal"] = "document"
+    """document: a token attends only to earlier tokens of its own document (end-of-text tokens separate
+    the packed documents) and RoPE positions restart at each; causal: across the whole packed sequence"""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """attention kernel: sdpa (scaled_dot_product_attention, a mask tensor under the document mask), flex
+    (FlexAttention with a block mask: skips masked blocks; CUDA only for training); auto: flex for the
+    document mask on CUDA without pp or cp, else sdpa"""
 
 
 @dataclass
@@ -85,6 +92,9 @@ class Parallelism:
     """tensor-parallel degree"""
     pp: int = 1
     """pipeline-parallel degree (the outermost mesh dimension)"""
+    cp: int = 1
+    """context-parallel degree: each sequence split over cp ranks (load-balanced chunks), keys and values
+    all-gathered for attention; mesh order pp, dp_replicate, dp_shard, cp, tp"""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     """with pp > 1: torch.distributed.pipelining schedule; interleaved_* and zbv run several stages per rank"""
     pp_microbatches: int = 0
@@ -291,7 +301,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if cfg.model.flavor == "auto" and hf_start is None:
         cfg.model.flavor = "debug"
     cfg.data.tokenizer = job_tokenizer(cfg)
-    for name in ("dp_replicate", "tp", "pp"):
+    for name in ("dp_replicate", "tp", "pp", "cp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
     if cfg.model.n_layers < 0:
@@ -302,17 +312,18 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError("activation_checkpoint.mode: full under simple_fsdp with compile.enable fails in torch 2.13's "
                           "partitioner (it tries to save the device mesh); allowed there: none or selective (what "
                           "SimpleFSDP's resharding does anyway), or full without compile.enable")
-    others = p.dp_replicate * p.tp * p.pp
+    others = p.dp_replicate * p.cp * p.tp * p.pp
     if p.dp_shard == -1:
         if world % others:
-            raise ConfigError(f"parallelism: dp_replicate*tp*pp = {others} does not divide the world size {world}")
+            raise ConfigError(f"parallelism: dp_replicate*cp*tp*pp = {others} does not divide the world size {world}")
         p.dp_shard = world // others
     elif p.dp_shard < 1:
         raise ConfigError(f"parallelism.dp_shard: must be -1 or >= 1, got {p.dp_shard}")
     if others * p.dp_shard != world:
         raise ConfigError(
-            f"parallelism: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x tp({p.tp}) x pp({p.pp})"
-            f" = {others * p.dp_shard} must equal the world size {world}")
+            f"parallelism: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x cp({p.cp}) x tp({p.tp}) x "
+            f"pp({p.pp}) = {others * p.dp_shard} must equal the world size {world}")
+    check_long_context(cfg)
     if p.dp_backend == "ddp" and p.dp_shard != 1:
         raise ConfigError(f"parallelism.dp_backend: ddp replicates, it cannot shard (dp_shard={p.dp_shard}); "
                           "use dp_replicate alone, or dp_backend fsdp2 for FSDP2/HSDP")
@@ -386,6 +397,29 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(f"profiling.steps: profiling {prof.steps} steps from step {prof.start_step or 2} "
                           f"needs training.steps >= {last_profiled}, got {t.steps}")
     return cfg
+
+
+def check_long_context(cfg: JobConfig) -> None:
+    """Context parallelism and the attention kernel against the other options: one line each."""
+    p, t, m = cfg.parallelism, cfg.training, cfg.model
+    if p.cp > 1 and p.dp_backend != "fsdp2":
+        raise ConfigError(f"parallelism.dp_backend: {p.dp_backend} cannot run with cp > 1 (its parameters would be "
+                          "reduced over dp only, and the cp ranks hold parts of one sequence whose gradients must be "
+                          "averaged too); allowed with cp > 1: fsdp2 (DDP, FSDP2, HSDP over dp x cp)")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        raise ConfigError(f"training.seq_len: {t.seq_len} does not split into 2 x cp = {2 * p.cp} equal chunks "
+                          f"(parallelism.cp {p.cp} load-balances causal attention with two chunks per rank); "
+                          f"allowed: a multiple of {2 * p.cp}")
+    if p.cp > 1 and p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"training.seq_len: each cp rank's {t.seq_len // p.cp} tokens do not split over tp {p.tp} "
+                          f"(parallelism.sequence_parallel); allowed: a multiple of {p.cp * p.tp * 2}")
+    if m.attention == "flex":
+        if m.attention_mask != "document":
+            raise ConfigError("model.attention: flex serves the document mask; under model.attention_mask causal "
+                              "allowed: auto or sdpa (SDPA's causal path needs no mask at all)")
+        if p.pp > 1 or p.cp > 1:
+            raise ConfigError("model.attention: flex is not proven with pp > 1 or cp > 1 (a pipeline splits its inputs "
+                              "by tensor, and a BlockMask is none); allowed there: auto or sdpa")
 
 
 def mix_sources(spec: str) -> list[tuple[str, float]]:

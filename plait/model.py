@@ -8,6 +8,7 @@ can address them, and RoPE rotates interleaved pairs as Meta's reference does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, replace
@@ -15,6 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plait.masking import additive
 
 
 @dataclass(frozen=True)
@@ -117,12 +120,42 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: dict | No
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x0, x1) of x [batch, seq, heads, head_dim] by their position's
-    angle; `table` starts at x's first position."""
+    angle; `table` [positions, pairs, 2] starts at x's first position, or is [batch, seq, pairs, 2]
+    where each sequence has positions of its own (documents, context parallelism)."""
     pairs = x.unflatten(-1, (-1, 2))
-    cos, sin = table[: x.shape[1], None, :, 0], table[: x.shape[1], None, :, 1]
+    table = table[: x.shape[1]] if table.ndim == 3 else table
+    cos, sin = table[..., None, :, 0], table[..., None, :, 1]
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+@functools.cache
+def flex_kernel(compiled: bool):
+    """FlexAttention, compiled where it trains (CUDA: a fused kernel; eager it materialises the
+    scores), eager elsewhere (CPU forward, as the tests compare it)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
+
+
+class ScaledDotProduct(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over q, k, v [batch, heads, seq, head_dim], k and v with the
+    key/value heads (grouped-query attention). `mask`: None = causal over the sequence, SDPA's
+    causal path with k and v repeated per query head (today's numbers, bit for bit); a float
+    additive mask: SDPA with `enable_gqa`, which saves k and v unrepeated (on a 2-core CPU at
+    seq 2048 it also ran 3x faster than repeating under a mask); a BlockMask: FlexAttention.
+    A module of its own so context parallelism can hand it the whole sequence's keys and values
+    (a forward pre-hook) without touching the model."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is None:
+            repeats = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if isinstance(mask, torch.Tensor):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -133,8 +166,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = ScaledDotProduct()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice of heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -143,13 +177,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to every earlier position's keys and values too
             k, v = cache.extend(self, k, v)
-        repeats = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-        # Causal within the new positions; every cached one lies before them all.
-        mask = None if cache is None else \
-            torch.ones(seq, k.shape[1], dtype=torch.bool, device=x.device).tril(k.shape[1] - seq)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=cache is None)
+            # Causal within the new positions; every cached one lies before them all.
+            mask = torch.ones(seq, k.shape[1], dtype=torch.bool, device=x.device).tril(k.shape[1] - seq)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -189,9 +219,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        # (cache by keyword: tensor parallelism's input plan covers the positional inputs)
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
+        # (mask and cache by keyword: tensor parallelism's input plan covers the positional inputs)
+        x = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -228,12 +258,21 @@ class Transformer(nn.Module):
         a = self.args
         self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
+        `mask` (plait/masking.py): which keys each query sees, None = causal over the sequence."""
         # A pipeline stage lacks some parts: what it lacks, the activations pass through.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope[cache.length:] if cache is not None else self.rope
+        start = cache.length if cache is not None else 0
+        rope = self.rope[positions] if positions is not None else self.rope[start:]
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            # Once for every layer, in the dtype q has (autocast's, else the activations'), so
+            # SDPA neither converts nor saves a copy per layer.
+            autocast = torch.is_autocast_enabled(x.device.type)
+            mask = additive(mask, torch.get_autocast_dtype(x.device.type) if autocast else x.dtype)
         for layer in self.layers.values():
-            x = layer(x, rope, cache=cache)
+            x = layer(x, rope, mask=mask, cache=cache)
         return self.output(self.norm(x)) if self.output is not None else x
 
     def init_std(self, name: str) -> float | None:

@@ -23,10 +23,12 @@ from plait import hf, parallel
 from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, world_size
-from plait.data import BatchLoader, eval_batches, open_data
+from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
+from plait.masking import attention_kernel
 from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, num_params
+from plait.parallel import BatchLayout
 from plait.parallel.pipeline import Pipeline, microbatches
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
@@ -132,16 +134,17 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> flo
     return total.item()
 
 
-def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts) -> torch.Tensor:
+def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts, layout: BatchLayout) -> torch.Tensor:
     """Forward and backward of every micro-batch, gradients scaled by 1/len(batches); returns
     the sum of the micro-batch losses."""
     loss_sum = torch.zeros((), device=batches[0][0].device)
-    for i, (inputs, labels) in enumerate(batches):
+    for i, batch in enumerate(batches):
+        inputs, labels, attention = layout(*batch)
         # Reduce gradients once per step, after the last micro-batch, not after each one.
         # The context spans forward too: DDP decides in forward whether backward reduces.
         with parallel.gradient_sync(model, i == len(batches) - 1):
             with contexts.forward():
-                loss = cross_entropy(model(inputs), labels)
+                loss = cross_entropy(model(inputs, **attention), labels)
             with contexts.backward():
                 (loss / len(batches)).backward()
         # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.
@@ -150,8 +153,8 @@ def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts) -
 
 
 def evaluate(model: torch.nn.Module, pipeline: Pipeline | None, batches: list, contexts: TrainContexts,
-             dp_group) -> float:
-    """The mean loss over the validation batches of every dp rank, forward only.
+             layout: BatchLayout, loss_group) -> float:
+    """The mean loss over the validation batches of every dp (x cp) rank, forward only.
 
     Every micro-batch's loss is gathered and summed exactly (math.fsum: one rounding at the end,
     so no summation order), so every layout that computes the same micro-batch losses reports
@@ -159,19 +162,20 @@ def evaluate(model: torch.nn.Module, pipeline: Pipeline | None, batches: list, c
     sum of a batch's m is its mean (exactly so for m a power of two)."""
     losses = []
     with torch.no_grad():
-        for inputs, labels in batches:
+        for batch in batches:
+            inputs, labels, attention = layout(*batch)
             if pipeline:  # one local batch per validation step, as in training
-                loss = pipeline.evaluate(inputs, labels)
+                loss = pipeline.evaluate(inputs, labels, attention)
                 dist.all_reduce(loss, group=pipeline.group)  # from the last stage to every rank
             else:
                 with contexts.forward():
-                    loss = cross_entropy(model(inputs), labels)
+                    loss = cross_entropy(model(inputs, **attention), labels)
                 loss = (loss.to_local() if isinstance(loss, DTensor) else loss).reshape(1)
             losses.append(loss)
     local = torch.cat(losses).float()
-    dp = dist.get_world_size(dp_group)
+    dp = dist.get_world_size(loss_group)
     gathered = [torch.empty_like(local) for _ in range(dp)]
-    dist.all_gather(gathered, local, group=dp_group)
+    dist.all_gather(gathered, local, group=loss_group)
     return math.fsum(torch.cat(gathered).tolist()) / (len(batches) * dp)
 
 
@@ -259,7 +263,10 @@ def run(cfg: JobConfig) -> list[dict]:
 def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -> list[dict]:
     t = cfg.training
     rank = dist.get_rank()
-    mesh, dp_mesh = parallel.build_mesh(cfg, device.type)
+    mesh, dp_mesh, loss_mesh = parallel.build_mesh(cfg, device.type)
+    cp = cfg.parallelism.cp
+    layout = BatchLayout(cfg.model.attention_mask, attention_kernel(cfg), eos_id(corpus.tokenizer),
+                         mesh["cp"].get_local_rank(), cp)
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
     loader = BatchLoader(corpus.sources, corpus.weights, *shape, t.seed)
     val_batches = eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None
@@ -277,7 +284,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
     accum = grad_accumulation_steps(cfg)
     tokens_per_step = t.global_batch_size * t.seq_len
     sequences_per_forward = t.micro_batch_size // (microbatches(cfg) if pipeline else 1)
-    shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len)
+    shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len // cp)
     peak = peak_flops(device, precision.compute, shapes)
     utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size())
     logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done) \
@@ -306,13 +313,13 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
             with probe, profiler.step(step):
                 batches = [(inputs.to(device), labels.to(device)) for inputs, labels in loader.next_batches()]
                 if pipeline:  # one local batch: accumulation is the pipeline's micro-batching
-                    loss_sum = pipeline.step(*batches[0])
+                    loss_sum = pipeline.step(*layout(*batches[0]))
                     dist.all_reduce(loss_sum, group=pipeline.group)  # from the last stage to every rank
                 else:
-                    loss_sum = accumulate(model, batches, contexts)
-                dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+                    loss_sum = accumulate(model, batches, contexts, layout)
+                dist.all_reduce(loss_sum, group=loss_mesh.get_group())
                 preemption.agree()
-                loss_value = loss_sum.item() / (accum * dp_mesh.size())
+                loss_value = loss_sum.item() / (accum * loss_mesh.size())
                 grad_norm = clip_and_norm(model, t.max_norm, pipeline.group if pipeline else None)
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                     raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
@@ -326,7 +333,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             if val_batches and (step % t.eval_interval == 0 or step == t.steps):
-                val_loss = evaluate(model, pipeline, val_batches, contexts, dp_mesh.get_group())
+                val_loss = evaluate(model, pipeline, val_batches, contexts, layout, loss_mesh.get_group())
             else:
                 val_loss = None
             if isinstance(probe, DtypeProbe):

@@ -62,6 +62,8 @@ SIMPLE = ["--parallelism.dp_backend", "simple_fsdp"]
 TP2 = ["--parallelism.tp", "2"]
 PP2 = ["--parallelism.pp", "2"]
 TIED = ["--model.tie_embeddings"]
+CP2 = ["--parallelism.cp", "2"]
+CAUSAL = ["--model.attention_mask", "causal"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 
 
@@ -109,9 +111,25 @@ LAYOUTS = {
     "fsdp2_tied": (2, [*TIED, *degrees(1, 2)]),
     "tp_tied": (2, [*TIED, *degrees(1, 1, tp=2)]),
     "simple_fsdp_tied": (2, [*TIED, *SIMPLE, *degrees(1, 2)]),
+    # Context parallelism: each sequence split over 2 ranks (under the default document mask, and
+    # causal against the causal single device), composed with FSDP2, TP, a pipeline, and both.
+    "single_causal": (1, [*CAUSAL, "--training.micro_batch_size", "2"]),
+    "cp": (2, [*CP2, "--training.micro_batch_size", "2"]),
+    "cp_causal": (2, [*CP2, *CAUSAL, "--training.micro_batch_size", "2"]),
+    "cp_fsdp2": (4, [*CP2, *degrees(1, 2)]),
+    "cp_tp": (4, [*CP2, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "pp_cp": (4, [*PP2, *CP2]),
+    "cp_fsdp2_tp": (8, [*CP2, *degrees(1, 2, tp=2)]),
 }
-REFERENCE = {name: "single_deep" if "--model.n_layers" in args else "single_tied" if TIED[0] in args else "single"
-             for name, (_, args) in LAYOUTS.items()}
+
+
+def reference(args: list[str]) -> str:
+    if "--model.n_layers" in args:
+        return "single_deep"
+    return "single_tied" if TIED[0] in args else "single_causal" if CAUSAL[1] in args else "single"
+
+
+REFERENCE = {name: reference(args) for name, (_, args) in LAYOUTS.items()}
 
 
 def validation_text() -> str:

@@ -47,7 +47,7 @@ def _compiled_autograd_ddp(rank, world, store_path, results):
         for compiled in (False, True):
             cfg = check_options(parse_args([*CLASSIC_DDP, "--compile.enable" if compiled else "--compile.no_enable",
                                        "--compile.autograd" if compiled else "--compile.no_autograd"]), world)
-            mesh, _ = parallel.build_mesh(cfg, "cpu")
+            mesh = parallel.build_mesh(cfg, "cpu")[0]
             precision = resolve(cfg)
             model = parallel.build_model(model_args("debug", 500), mesh, cfg, precision, torch.device("cpu"))
             contexts = TrainContexts(precision, "cpu", compiled_autograd=compiled)

@@ -75,10 +75,25 @@ def test_unknown_config_name_lists_named_configs():
     (["--profiling.enable", "--training.steps", "2"], "needs training.steps >= 3"),
     (["--training.lr", "nan"], "training.lr: must be a finite number, got nan"),
     (["--training.max_norm", "inf"], "training.max_norm: must be a finite number"),
+    # context parallelism and the attention kernel (world 4)
+    (["--parallelism.cp", "3"], r"dp_replicate\*cp\*tp\*pp = 3 does not divide the world size 4"),
+    (["--parallelism.cp", "2", "--training.seq_len", "126"], "training.seq_len: 126 does not split into 2 x cp = 4"),
+    (["--parallelism.cp", "2", "--parallelism.dp_backend", "simple_fsdp"], "simple_fsdp cannot run with cp > 1"),
+    (["--parallelism.cp", "2", "--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2"],
+     "ddp cannot run with cp > 1"),
+    (["--model.attention", "flex"], "flex cannot train on this device"),
+    (["--model.attention", "flex", "--parallelism.cp", "2"], "flex is not proven with pp > 1 or cp > 1"),
+    (["--model.attention", "flex", "--model.attention_mask", "causal"], "flex serves the document mask"),
+    (["--model.attention_mask", "sliding"], "model.attention_mask"),
 ])
 def test_validation_errors_name_the_option(argv, fragment):
     with pytest.raises(ConfigError, match=fragment):
         check_options(parse_args(argv), world=4)
+
+
+def test_context_parallel_sequence_must_split_over_tp_too():
+    with pytest.raises(ConfigError, match="each cp rank's 10 tokens do not split over tp 4"):
+        check_options(parse_args(["--parallelism.cp", "2", "--parallelism.tp", "4", "--training.seq_len", "20"]), world=8)
 
 
 def test_pipeline_stages_are_balanced_or_split_where_asked():
@@ -130,7 +145,7 @@ def test_cli_validation_error_is_one_line_before_launch(tmp_path):
     # With --nproc the launcher validates first: one line, no torchrun, non-zero exit.
     proc = run_cli("train", "--nproc", "2", "--parallelism.dp_shard", "3")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["plait: error: parallelism: dp_replicate(1) x dp_shard(3) x tp(1) x pp(1) "
+    assert proc.stderr.strip().splitlines() == ["plait: error: parallelism: dp_replicate(1) x dp_shard(3) x cp(1) x tp(1) x pp(1) "
                                                 "= 3 must equal the world size 2"]
 
 

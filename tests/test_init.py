@@ -25,7 +25,7 @@ def _check_layout(rank, world, store_path, dims, reference):
     try:
         cfg = check_options(parse_args(["--parallelism.dp_replicate", str(dims[0]), "--parallelism.dp_shard", str(dims[1]),
                                    "--parallelism.tp", str(dims[2]), "--training.seed", "7"]), world)
-        mesh, _ = parallel.build_mesh(cfg, "cpu")
+        mesh = parallel.build_mesh(cfg, "cpu")[0]
         model = parallel.build_model(model_args("debug", 500), mesh, cfg, resolve(cfg), torch.device("cpu"))
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         for name, value in reference.items():

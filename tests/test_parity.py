@@ -25,9 +25,16 @@ TIED_REORDERED = 2e-6  # two fp32 ulps of a loss in [8, 16): see the tied rows
 # 3.7e-4 on an AVX2 CPU (emulated bf16), 3.0e-4 with oneDNN capped at AVX2; bound 2.5x the worst.
 BF16_REORDERED = 1e-3
 
-# Every layout without a pipeline (the tied model's rows are fp32: what tying changes is which
-# parameter each wrapper holds, not the arithmetic bf16 rows check).
-SPMD = [name for name in LAYOUTS if not name.startswith(("pp", "single")) and not name.endswith("tied")]
+# Context parallelism computes each query row as one device does (the same keys in the same
+# order, forward bitwise), but each key's dK/dV is the sum of two ranks' partials, which one
+# device's kernel accumulates in one loop: last-bit differences in fp32, measured 4.8e-7 in every
+# cp row (1 ulp of a loss in [4, 8)). Its bf16 row: one, the mechanism is the same in the others.
+CONTEXT = ("cp", "cp_causal", "cp_fsdp2", "cp_tp", "pp_cp", "cp_fsdp2_tp")
+CONTEXT_BF16 = ("cp",)
+# Every layout without a pipeline or cp (the tied model's rows are fp32: what tying changes is
+# which parameter each wrapper holds, not the arithmetic bf16 rows check).
+SPMD = [name for name in LAYOUTS
+        if not name.startswith(("pp", "single")) and not name.endswith("tied") and name not in CONTEXT]
 WORLD2_DP = ("ddp", "fsdp2", "classic_ddp", "simple_fsdp", "simple_ddp")
 # A pipeline without data parallelism computes each micro-batch as the single device does and
 # accumulates the weight gradients in the same ascending order (all scaling inside the loss):
@@ -54,6 +61,8 @@ TOLERANCE = {  # (layout, precision): tolerance against the single device
     # (~10.9) lie in [8, 16), where one fp32 ulp is 9.5e-7: both measured exactly one ulp,
     # so the bound is two (FP32_REORDERED, one ulp of the untied losses in [4, 8), would be one).
     ("fsdp2_tied", "fp32"): BITWISE, ("simple_fsdp_tied", "fp32"): TIED_REORDERED, ("tp_tied", "fp32"): TIED_REORDERED,
+    **{(name, "fp32"): FP32_REORDERED for name in CONTEXT},
+    **{(name, "bf16"): BF16_REORDERED for name in CONTEXT_BF16},
 }
 PRECISIONS = {"fp32": [], "bf16": BF16}
 
@@ -93,8 +102,9 @@ def test_every_layout_matches_the_single_device(matrix):
 
 
 def test_the_matrix_covers_every_layout_at_world_1_2_4_8(matrix):
-    """Every layout in fp32; in bf16 every layout without a pipeline and one pipeline per mechanism."""
+    """Every layout in fp32; in bf16 every layout without a pipeline or cp, one pipeline per
+    mechanism and cp alone."""
     rows = {(name, precision) for name, _, precision, *_ in matrix}
     assert rows == {(name, "fp32") for name in LAYOUTS if not name.startswith("single")} | \
-        {(name, "bf16") for name in [*SPMD, *PIPELINES_BF16]}
+        {(name, "bf16") for name in [*SPMD, *PIPELINES_BF16, *CONTEXT_BF16]}
     assert {world for _, world, *_ in matrix} | {LAYOUTS["single"][0]} == {1, 2, 4, 8}

@@ -17,7 +17,7 @@ from plait.cli import main
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.proof.trace import summarise
-from test_parity import PIPELINES_BF16, SPMD, mode
+from test_parity import CONTEXT_BF16, PIPELINES_BF16, SPMD, mode
 
 pytestmark = pytest.mark.slow
 PRECISIONS = {"fp32": [], "bf16": BF16}
@@ -79,7 +79,7 @@ def check(train_once, name: str, precision: str, extra: list[str] = ()) -> dict:
     cfg = check_options(parse_args([*TINY, *options]), world)
     model, stages = plan.model_shape(cfg), memory.rank_stages(cfg, 0)
     p = cfg.parallelism
-    layout = memory.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp)
+    layout = memory.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
     state = memory.state_bytes(memory.rank_parameters(model, cfg, stages), layout)
     assert state / 2**30 == rows[0]["state_gib"], (name, precision, state)
     predicted = {"state": state}
@@ -119,7 +119,7 @@ def add_line(report, label: str, numbers: dict) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_plan_predicts_every_layout(train_once, report, name, precision):
-    if precision == "bf16" and name not in [*SPMD, *PIPELINES_BF16, "single"]:
+    if precision == "bf16" and name not in [*SPMD, *PIPELINES_BF16, *CONTEXT_BF16, "single"]:
         pytest.skip("no bf16 run of this layout in the shared matrix")
     add_line(report, f"{name} {precision}", check(train_once, name, precision))
 

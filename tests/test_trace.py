@@ -3,7 +3,7 @@ from them which collectives each layout really ran, by phase and dtype."""
 
 import pytest
 
-from conftest import BF16, run_plait
+from conftest import BF16, LAYOUTS as SHARED, STEPS, layout_run, run_plait
 from plait.cli import main
 from plait.proof.trace import summarise
 
@@ -131,6 +131,20 @@ def test_tensor_parallel_communicates_in_forward_and_backward(traces, capsys):
     code, out, err = trace(capsys, traces("tp"), "--expect", "forward:all_gather:bf16",
                            "--expect", "forward:reduce_scatter:bf16", "--expect", "backward:all_gather:bf16",
                            "--expect", "backward:reduce_scatter:bf16")
+    assert code == 0, out + err
+
+
+@pytest.mark.slow
+def test_context_parallel_gathers_keys_and_values_in_forward_and_reduce_scatters_them_in_bf16(train_once, capsys):
+    """The parity matrix's CP2 bf16 run (debug model: 2 blocks; 2 micro-batches per step): every
+    block all-gathers K and V in forward (bf16, beside FSDP2's parameter gathers) and reduce-scatters
+    their gradients in backward in bf16, 2 x 2 x 2 = 8 calls per step, where FSDP2's gradient
+    reduce-scatters are fp32."""
+    layout_run(train_once, "cp", BF16)
+    world, args = SHARED["cp"]
+    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
+                           "--expect", "forward:all_gather:bf16", "--expect", "backward:reduce_scatter:bf16=8",
+                           "--expect", "backward:reduce_scatter:fp32", "--expect", "forward:!reduce_scatter")
     assert code == 0, out + err
 
 

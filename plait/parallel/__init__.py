@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.config import JobConfig
 from plait.model import ModelArgs, Transformer
 from plait.parallel.activation_checkpoint import apply_ac
+from plait.parallel.context_parallel import BatchLayout, apply_cp  # noqa: F401 (BatchLayout: the package's interface)
 from plait.parallel.data_parallel import apply_fsdp
 from plait.parallel.ddp import apply_ddp
 from plait.parallel.mesh import DP_DIMS, build_mesh, describe  # noqa: F401 (the package's interface)
@@ -39,6 +40,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     materialise and initialise what this rank owns."""
     backend = cfg.parallelism.dp_backend
     ac, n_blocks = cfg.activation_checkpoint, model.args.n_layers
+    if cfg.parallelism.cp > 1:  # start-up refuses cp with SimpleFSDP and classic DDP
+        apply_cp(model, mesh["cp"])
     if backend != "simple_fsdp":  # SimpleFSDP checkpoints its blocks itself: it reshards that way
         apply_ac(model, ac.mode, ac.every, n_blocks)
     if cfg.compile.enable and backend != "simple_fsdp":
@@ -51,7 +54,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     if backend == "simple_fsdp":
         apply_simple_fsdp(model, mesh, precision, cfg.parallelism.reshard_after_forward, ac, n_blocks)
     elif backend == "fsdp2":
-        apply_fsdp(model, mesh[DP_DIMS], precision, pipelined)
+        apply_fsdp(model, mesh, precision, pipelined)
     model.to_empty(device=device)
     with raw_parameters():  # SimpleFSDP: write the stored shards, not gathered temporaries
         init_weights(model, cfg.training.seed)

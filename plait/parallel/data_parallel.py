@@ -1,4 +1,5 @@
-"""Data parallelism (DDP, FSDP2, HSDP) as FSDP2's `fully_shard` on the (dp_replicate, dp_shard) mesh.
+"""Data parallelism (DDP, FSDP2, HSDP) as FSDP2's `fully_shard` on the (dp_replicate, dp_shard) mesh
+(dp_shard x cp under context parallelism: cp ranks hold the same parameters).
 
 One mechanism covers every data-parallel layout: shard degree 1 is DDP (all-reduce only),
 replicate degree 1 is FSDP (all-gather + reduce-scatter), both is HSDP, and (1, 1) is a single
@@ -12,10 +13,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from plait.parallel.mesh import shard_dim
 from plait.precision import Precision
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision, pipelined: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelined: bool = False) -> nn.Module:
     policy = precision.fsdp_policy()
     # Each block is its own unit so only one block's full parameters exist at a time. The last
     # block is not resharded after forward: backward needs it immediately. Without a shard
@@ -25,11 +27,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision, pipe
     # before their backwards, and resharding would re-gather every block once per micro-batch
     # in each phase; a stage holds 1/pp of the blocks, so keeping them gathered for the step
     # costs 1/pp of what it would without pipelining (torchtitan's choice too).
-    sharded = dp_mesh["dp_shard"].size() > 1 and not pipelined
-    if dp_mesh["dp_replicate"].size() == 1:
-        # On a 2-D mesh FSDP2 takes its HSDP path and all-reduces gradients over dp_replicate even
-        # when that group is one rank (about 1 MiB per step on the debug model, seen in traces).
-        dp_mesh = dp_mesh["dp_shard"]
+    shard = shard_dim(mesh)
+    sharded = mesh[shard].size() > 1 and not pipelined
+    # On a 2-D mesh FSDP2 takes its HSDP path and all-reduces gradients over dp_replicate even
+    # when that group is one rank (about 1 MiB per step on the debug model, seen in traces).
+    dp_mesh = mesh[shard] if mesh["dp_replicate"].size() == 1 else mesh[("dp_replicate", shard)]
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=sharded and i < len(blocks) - 1)

@@ -218,23 +218,26 @@ class Pipeline:
                         f"{' | '.join(f'{r.start}-{r.stop - 1}' for r in ranges)} (this rank: stages {indices}), "
                         f"{m} micro-batches of {cfg.training.micro_batch_size // m} sequences per step")
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, attention: dict) -> torch.Tensor:
         """Forward and backward of one local batch in micro-batches: the sum of its micro-batch
-        losses (each divided by m, so the batch's mean loss) on the last stage's ranks, else 0."""
+        losses (each divided by m, so the batch's mean loss) on the last stage's ranks, else 0.
+        `attention`: the model's positions and mask (BatchLayout), which every stage gets."""
         total = torch.zeros((), device=self.device)
-        for loss in self._run(self.schedule.step, inputs, labels):
+        for loss in self._run(self.schedule.step, inputs, labels, attention):
             total += loss.detach()
         return total
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, attention: dict) -> torch.Tensor:
         """Forward only: the m micro-batch losses, each divided by m, on the last stage's ranks, else zeros."""
         with torch.no_grad():
-            losses = self._run(self.schedule.eval, inputs, labels)
+            losses = self._run(self.schedule.eval, inputs, labels, attention)
         return torch.stack(losses) if losses else torch.zeros(self.microbatches, device=self.device)
 
-    def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor, attention: dict) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
-        kwargs = {"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {}
+        # The schedule splits `attention`'s tensors into micro-batches, as it splits the inputs,
+        # and hands them to every stage (each stage's blocks attend).
+        kwargs = {**attention, **({"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {})}
         # Loss parallelism around the whole step: at the first step the stages also run forward
         # and backward for shape inference, outside the chunk methods that enter the phases.
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():

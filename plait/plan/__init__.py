@@ -39,18 +39,18 @@ AC_MODES = ("none", "selective", "full")
 GIB = 2**30
 
 
-def layouts(world: int) -> list[Layout]:
-    """Every (pp, dp_replicate, dp_shard, tp) whose product is the world size."""
+def layouts(world: int, cp: int = 1) -> list[Layout]:
+    """Every (pp, dp_replicate, dp_shard, tp) whose product with `cp` is the world size."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    return [Layout(pp, r, world // (pp * r * tp), tp) for pp in divisors for tp in divisors for r in divisors
-            if world % (pp * tp * r) == 0]
+    return [Layout(pp, r, world // (pp * r * tp * cp), tp, cp) for pp in divisors for tp in divisors for r in divisors
+            if world % (pp * tp * r * cp) == 0]
 
 
 def job(cfg: JobConfig, layout: Layout, ac: str, world: int) -> JobConfig:
     """`cfg` under `layout` and AC mode, validated as `plait train` would (ConfigError if it cannot run)."""
     cfg = copy.deepcopy(cfg)
     p = cfg.parallelism
-    p.pp, p.dp_replicate, p.dp_shard, p.tp = layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp
+    p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp = layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp
     if layout.pp > 1:
         cfg.training.micro_batch_size = 0  # the pipeline's micro-batches are the accumulation
     cfg.activation_checkpoint.mode = ac
@@ -78,7 +78,7 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float,
 
     e = 2 if base.training.mixed_precision_param in ("auto", "bfloat16") else 4
     rows, refused = [], {}
-    for layout in layouts(world):
+    for layout in layouts(world, base.parallelism.cp):
         for ac in AC_MODES:
             try:
                 cfg = job(base, layout, ac, world)

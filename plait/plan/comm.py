@@ -31,17 +31,17 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     from plait.parallel.pipeline import microbatches
 
     p, t = cfg.parallelism, cfg.training
-    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp)
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
     params = rank_parameters(args, cfg, stages)
     grouped = units(params)
     local_batch = t.global_batch_size // dp_degree(cfg)
     passes = local_batch // t.micro_batch_size if stages is None else microbatches(cfg)
-    tokens = local_batch // passes * t.seq_len
+    tokens = local_batch // passes * t.seq_len // p.cp  # this rank's share of the micro-batch
     reduce = 2 if cfg.training.mixed_precision_reduce == "bfloat16" else 4
     gather = e if cfg.training.mixed_precision_mode == "param" else 4
     out: Counter = Counter()
     blocks = [u for u in grouped if u != "root"]
-    if p.dp_shard > 1:
+    if layout.shard > 1:
         sizes = {u: gathered_elements(grouped[u], layout) for u in grouped}
         # Every micro-batch gathers every unit in forward and, for blocks resharded after forward
         # (all but the last), again in backward; a pipeline stage keeps its units gathered for
@@ -55,7 +55,17 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         out["backward", "reduce_scatter", "dp_shard"] += reduce * sum(sizes.values())
     if p.dp_replicate > 1:  # the shard's gradients, all-reduced over the replicas
         out["backward", "all_reduce", "dp_replicate"] += reduce * sum(
-            math.ceil(rows / p.dp_shard) * cols for rows, cols in (local_rows_cols(n, s, layout) for n, s in params.items()))
+            math.ceil(rows / layout.shard) * cols for rows, cols in (local_rows_cols(n, s, layout) for n, s in params.items()))
+    if p.cp > 1:
+        # Per micro-batch every block all-gathers its keys and values over cp in forward (the
+        # gather's output: the whole sequence's, in the compute dtype) and reduce-scatters their
+        # gradients in backward (its input, the same size); a checkpointed block gathers again.
+        ac = cfg.activation_checkpoint
+        recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))
+        kv = passes * tokens * p.cp * 2 * args.n_kv_heads // p.tp * args.head_dim * e
+        out["forward", "all_gather", "cp"] += len(blocks) * kv
+        out["backward", "all_gather", "cp"] += recomputed * kv
+        out["backward", "reduce_scatter", "cp"] += len(blocks) * kv
     if p.tp > 1:
         # Sequence parallelism, per micro-batch: each block gathers its input twice (attention,
         # FFN) and reduce-scatters twice (wo, w2) in forward, the reverse in backward; the
@@ -94,7 +104,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     # The loss is summed over dp (and over pp from the last stage), and the preemption signal over
     # every rank: one float32 each. The gradient norm's per-parameter fp64 squares are summed over
     # each dimension that shards them (dp_shard, tp), and the stages' sums over pp.
-    sharded_by = (p.dp_shard > 1) + (p.tp > 1)
+    sharded_by = (layout.shard > 1) + (p.tp > 1)
     out["step", "all_reduce", "scalars"] += 4 * (2 + (p.pp > 1)) + 8 * len(params) * sharded_by + 8 * (p.pp > 1)
     return out
 
@@ -111,10 +121,11 @@ def link_seconds(kind: str, dim: str, n: int, cfg: JobConfig, hw: Hardware) -> f
     """Seconds to move `n` bytes of one collective over a ring of a mesh dimension: gathers and
     scatters move (g-1)/g of the buffer per rank, all-reduces twice that, point-to-point all of
     it; within a node at NVLink speed, else at the network's. The mesh is (pp, dp_replicate,
-    dp_shard, tp), tp innermost: a dimension stays in a node while its ranks do."""
+    dp_shard, cp, tp), tp innermost: a dimension stays in a node while its ranks do (FSDP2's
+    dp_shard traffic runs over dp_shard x cp: counted at dp_shard's span, the wider)."""
     p = cfg.parallelism
-    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
-    order = list(sizes)
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard * p.cp, "cp": p.cp, "tp": p.tp}
+    order = ["pp", "dp_replicate", "dp_shard", "tp"] if dim != "cp" else ["cp", "tp"]
     if dim not in sizes:  # scalars (loss, gradient norm): latency, not bandwidth
         return 0.0
     group = sizes[dim]
@@ -128,7 +139,7 @@ def link_seconds(kind: str, dim: str, n: int, cfg: JobConfig, hw: Hardware) -> f
 def step_seconds(args: ModelArgs, cfg: JobConfig, world: int, comm: Counter, hw: Hardware) -> float:
     """Roofline: the step's FLOPs split over the world at the peak (plus the forward a
     checkpointed block recomputes, and a pipeline's bubble), then the communication that cannot
-    hide behind compute: TP's and the pipeline's sit on the critical path, data-parallel
+    hide behind compute: TP's, CP's and the pipeline's sit on the critical path, data-parallel
     gathers and reductions overlap with compute (FSDP prefetches, reductions run in backward)."""
     from plait.parallel.pipeline import microbatches, stages_per_rank
 
@@ -141,6 +152,6 @@ def step_seconds(args: ModelArgs, cfg: JobConfig, world: int, comm: Counter, hw:
     if p.pp > 1:
         compute *= 1 + (p.pp - 1) / (microbatches(cfg) * stages_per_rank(cfg))
     times = [(dim, link_seconds(kind, dim, n, cfg, hw)) for (_, kind, dim), n in comm.items()]
-    critical = sum(s for dim, s in times if dim in ("tp", "pp"))
-    overlapped = sum(s for dim, s in times if dim not in ("tp", "pp"))
+    critical = sum(s for dim, s in times if dim in ("tp", "pp", "cp"))
+    overlapped = sum(s for dim, s in times if dim not in ("tp", "pp", "cp"))
     return compute + critical + max(0.0, overlapped - compute)

@@ -28,9 +28,16 @@ class Layout:
     dp_replicate: int
     dp_shard: int
     tp: int
+    cp: int = 1
+
+    @property
+    def shard(self) -> int:
+        """The degree parameters are sharded over: dp_shard x cp (cp ranks hold the same parameters)."""
+        return self.dp_shard * self.cp
 
     def __str__(self) -> str:  # the spelling `plait compare --run` takes
-        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},tp={self.tp},pp={self.pp}"
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard}{cp},tp={self.tp},pp={self.pp}"
 
 
 def local_rows_cols(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
@@ -104,21 +111,22 @@ def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout) -> int:
     total = 0
     for name, shape in params.items():
         rows, cols = local_rows_cols(name, shape, layout)
-        total += math.ceil(rows / layout.dp_shard) * cols * 16 + 4
+        total += math.ceil(rows / layout.shard) * cols * 16 + 4
     return total
 
 
 def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
     """Elements of a unit's FSDP all-gather: every parameter's TP piece, rows padded to a
-    multiple of dp_shard."""
+    multiple of the shard degree."""
     total = 0
     for name, shape in unit.items():
         rows, cols = local_rows_cols(name, shape, layout)
-        total += math.ceil(rows / layout.dp_shard) * layout.dp_shard * cols
+        total += math.ceil(rows / layout.shard) * layout.shard * cols
     return total
 
 
-def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int) -> int:
+def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
+                           cp: int = 1) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -127,7 +135,9 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     (4 per head); SwiGLU keeps w1 and w3 outputs, silu's and the product (4 * ffn * e).
     selective keeps every matmul and attention output and the block input; full the input only.
     Under TP heads and FFN are split, the norms run on the sequence shard, and the q/k/v and
-    w1/w3 inputs are the gathered (full-sequence) norm outputs.
+    w1/w3 inputs are the gathered (full-sequence) norm outputs. Under a mask (the document mask,
+    or cp) attention keeps k and v unrepeated (SDPA's grouped-query path), those of the whole
+    sequence under cp: `tokens` x cp keys.
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
     if mode == "full":
@@ -137,7 +147,24 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
         matmuls = heads * hd + 2 * kv * hd + 2 * ffn + 2 * d + (2 * d // tp if tp > 1 else 0)
         return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads)
     norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
-    return norms + tokens * (4 * heads * hd * e + 4 * heads + 4 * ffn * e)
+    attention = tokens * 4 * heads * hd * e if not masked else (tokens * 2 * heads + tokens * cp * 2 * kv) * hd * e
+    return norms + attention + tokens * (4 * heads + 4 * ffn * e)
+
+
+def masked(cfg: JobConfig) -> bool:
+    """Whether attention runs under a mask tensor: the document mask, or causal rows under cp."""
+    return cfg.model.attention_mask == "document" or cfg.parallelism.cp > 1
+
+
+def mask_bytes(args: ModelArgs, cfg: JobConfig, sequences: int, e: int) -> int:
+    """What a forward under a mask keeps besides the blocks, shared by every layer: the additive
+    mask in the compute dtype (queries x keys of each sequence) and each token's RoPE rows (fp32).
+    (The boolean mask and the positions come with the batch, as its tokens do: inputs, not
+    activations.)"""
+    if not masked(cfg):
+        return 0
+    queries = cfg.training.seq_len // cfg.parallelism.cp
+    return sequences * queries * (cfg.training.seq_len * e + args.head_dim * 4)
 
 
 def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> int:
@@ -151,19 +178,21 @@ def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, 
 
     t, p = cfg.training, cfg.parallelism
     if stages is None:
-        return _stage_activations(args, cfg, range(args.n_layers), True, t.micro_batch_size * t.seq_len, e)
+        return _stage_activations(args, cfg, range(args.n_layers), True, t.micro_batch_size * t.seq_len // p.cp, e) + \
+            mask_bytes(args, cfg, t.micro_batch_size, e)
     total, m, count = 0, microbatches(cfg), stage_count(cfg)
     for stage in stages:
         in_flight = {"gpipe": m, "1f1b": min(m, p.pp - stage)}.get(p.pp_schedule, min(m, count - stage))
-        tokens = t.micro_batch_size // m * t.seq_len
+        tokens = t.micro_batch_size // m * t.seq_len // p.cp
         total += in_flight * _stage_activations(args, cfg, stage_blocks(args, cfg, stage), stage == count - 1, tokens, e)
-    return total
+    return total + mask_bytes(args, cfg, t.micro_batch_size, e)
 
 
 def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: bool, tokens: int, e: int) -> int:
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
-    total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp) for i in blocks)
+    total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp, masked(cfg),
+                                       cfg.parallelism.cp) for i in blocks)
     if last:
         vocab = args.vocab_size // tp
         total += tokens // tp * (8 * args.dim + 4) + tokens * (e * args.dim + 4 * vocab) + 8
@@ -181,9 +210,9 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     grouped = units(params)
     sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp)) for u in grouped}
     blocks = sorted((s for u, s in sizes.items() if u != "root"), reverse=True)
-    if p.dp_shard > 1:
+    if p.dp_shard * p.cp > 1:
         gathered = e * (sizes.get("root", 0) + sum(blocks[:2])) + 4 * (blocks[0] if blocks else 0)
     else:
         gathered = e * sum(sizes.values()) if e != 4 else 0
-    logits = tokens * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
+    logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
     return gathered + logits

@@ -24,8 +24,9 @@ import torch
 import tyro
 
 from plait.config import Data, Flavor, Training
-from plait.data import build_tokenizer
+from plait.data import build_tokenizer, eos_id
 from plait.hardware import linear_shapes, peak_flops
+from plait.masking import allowed, document_ids, positions_in_documents
 from plait.metrics import Utilisation, peak_memory_gib, state_memory_gib
 from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, model_args
 
@@ -41,6 +42,8 @@ class BaselineConfig:
     """bfloat16: torch.autocast around forward + loss; parameters, gradients and AdamW stay fp32"""
     threads: int = 0
     """CPU threads; 0 = every core, as plait's single-device row takes"""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """as plait's model.attention_mask: document passes the model each token's positions and mask"""
 
 
 def train(cfg: BaselineConfig) -> None:
@@ -62,11 +65,17 @@ def train(cfg: BaselineConfig) -> None:
     peak = peak_flops(device, dtype, linear_shapes(linear_weight_shapes(args), tokens_per_step))
     utilisation = Utilisation(flops_per_token(args, cfg.seq_len), peak, devices=1)
     state_gib = None
+    eos = eos_id(tokenizer)
     for step in range(1, cfg.steps + 1):
         start = time.perf_counter()
         batch = torch.randint(args.vocab_size, (cfg.batch_size, cfg.seq_len + 1)).to(device)
+        inputs, labels, attention = batch[:, :-1], batch[:, 1:], {}
+        if cfg.attention_mask == "document":
+            documents = document_ids(inputs, eos)
+            attention = {"positions": positions_in_documents(documents),
+                         "mask": allowed(documents, torch.arange(cfg.seq_len, device=device))}
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+            loss = cross_entropy(model(inputs, **attention), labels)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_norm).item()
         optimizer.step()

@@ -35,7 +35,7 @@ from plait.proof.trace import idle_fractions, summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
               "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
-              "pp", "pp_fsdp2"]
+              "pp", "pp_fsdp2", "cp"]
 PP_MICROBATCHES = 4
 DTYPES = ("float32", "bfloat16")
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
@@ -57,6 +57,9 @@ class BenchConfig:
     global_batch_size: int = 8
     nproc: int = 2
     """world size of the distributed rows"""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """model.attention_mask of every row, the raw loop's too (its random tokens hold few end-of-text tokens,
+    but a mask costs SDPA the same whatever it masks)"""
     threads: int = 0
     """CPU threads per rank; 0 = cores / ranks, so every row uses the whole machine"""
     out: str = ""
@@ -91,6 +94,7 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         "simple_fsdp_tp": (f"SimpleFSDP({n})+TP2", 2 * nproc, [*simple, *tp]),
         "pp": (f"PP2 (1f1b, {PP_MICROBATCHES} micro-batches)", 2, pp),
         "pp_fsdp2": (f"PP2+FSDP2({n})", 2 * nproc, [*pp, "--parallelism.dp_shard", n]),
+        "cp": ("CP2 (each sequence over 2 ranks)", 2, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1"]),
     }
 
 
@@ -113,7 +117,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
         # plait's single-device row has dp 1, so micro-batch = global batch: the same one forward.
         command = [sys.executable, "-m", "plait.proof.baseline", "--flavor", flavor, "--steps", str(cfg.steps),
                    "--seq_len", str(cfg.seq_len), "--batch_size", str(cfg.global_batch_size), "--dtype", dtype,
-                   "--threads", str(cfg.threads)]
+                   "--threads", str(cfg.threads), "--attention_mask", cfg.attention_mask]
     else:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
             if world > 1 else [sys.executable]
@@ -123,7 +127,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
                    "--training.warmup_steps", "1", "--training.mixed_precision_param", dtype,
                    "--training.threads", str(cfg.threads), "--metrics.jsonl", str(folder / "metrics.jsonl"),
                    "--profiling.enable", "--profiling.start_step", profiled, "--profiling.steps", "1",
-                   "--profiling.folder", str(folder / "trace"), *flags]
+                   "--profiling.folder", str(folder / "trace"), "--model.attention_mask", cfg.attention_mask, *flags]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench row failed: {' '.join(command)}\n{proc.stderr[-3000:]}")

@@ -39,7 +39,7 @@ folder, world = Path(sys.argv[1]), int(os.environ["WORLD_SIZE"])
 cfg = check_options(JobConfig(), world)
 cfg.training.mixed_precision_param = "float32"
 init_distributed(cfg, torch.device("cpu"))
-mesh, _ = parallel.build_mesh(cfg, "cpu")
+mesh = parallel.build_mesh(cfg, "cpu")[0]
 args = hf.model_args(folder, "checkpoint.load")
 model = parallel.build_model(args, mesh, cfg, resolve(cfg), torch.device("cpu"))
 Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here: the import's own

@@ -1,0 +1,77 @@
+"""Which keys each query of a packed sequence may attend to, and at which RoPE position.
+
+Pre-training packs documents end to end, separated by the end-of-text token. Under the
+`document` mask a token attends only to earlier tokens of its own document and its RoPE
+position counts from that document's start, so a packed sequence computes what each document
+would compute alone. An end-of-text token opens the document after it (as a beginning-of-text
+token would): the token that follows is predicted from the end-of-text alone, never from the
+previous document, and stays in the loss, where it teaches how documents begin (generation
+from an empty prompt starts from an end-of-text too). The window's first tokens, cut from a
+document that began before it, count as a document that starts at position 0.
+
+Masks are boolean [batch, 1, queries, keys] (True: may attend), built once per forward and
+shared by every layer; `additive` turns one into SDPA's float form in the compute dtype once,
+so no layer converts (and saves) a copy of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.config import ConfigError, JobConfig
+from plait.hardware import pick_device
+
+
+def document_ids(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """[batch, seq] -> the document of each token: the number of end-of-text tokens up to and
+    including it (an end-of-text opens the next document)."""
+    return torch.cumsum(tokens == eos, dim=1)
+
+
+def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
+    """Each token's distance from the first token of its document: RoPE restarts per document."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+def allowed(documents: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, len(queries), seq] boolean mask: the queries at sequence indices `queries`
+    against every key in sequence order, causal and within one document (`documents` all
+    zeros: causal alone)."""
+    keys = torch.arange(documents.shape[1], device=queries.device)
+    mask = (queries[:, None] >= keys[None, :]) & (documents[:, queries, None] == documents[:, None, :])
+    return mask[:, None]
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive float mask (0 where allowed, -inf elsewhere) in `dtype`."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def block_mask(documents: torch.Tensor, queries: torch.Tensor):
+    """The same mask as FlexAttention's BlockMask: it skips the blocks no query may attend to."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_causal(b, h, q, k):
+        return (queries[q] >= k) & (documents[b, queries[q]] == documents[b, k])
+
+    return create_block_mask(document_causal, documents.shape[0], None, len(queries), documents.shape[1],
+                             device=documents.device)
+
+
+def attention_kernel(cfg: JobConfig) -> str:
+    """`model.attention` settled: auto is flex where it trains and pays (the document mask on
+    CUDA, no pp or cp), else sdpa."""
+    m, p = cfg.model, cfg.parallelism
+    if m.attention != "auto":
+        return m.attention
+    cuda = pick_device(cfg.training.device).type == "cuda"
+    return "flex" if cuda and m.attention_mask == "document" and p.pp == 1 and p.cp == 1 else "sdpa"
+
+
+def check_attention(cfg: JobConfig) -> None:
+    if cfg.model.attention == "flex" and pick_device(cfg.training.device).type != "cuda":
+        raise ConfigError("model.attention: flex cannot train on this device (torch 2.13 has no FlexAttention "
+                          "backward on CPU); allowed: auto or sdpa (SDPA with the document mask)")

@@ -1,0 +1,80 @@
+"""Context parallelism: every sequence split over the `cp` ranks, attention exact as unsharded.
+
+A sequence of S tokens is cut into 2·cp chunks and cp rank r holds chunks r and 2·cp-1-r: under
+a causal mask the early chunks' queries see few keys and the late ones many, so pairing one of
+each gives every rank the same attention work. Tokens, labels, RoPE positions and the mask's
+query rows are sharded together, before the model (`BatchLayout`); parameters are the same on
+every cp rank, which FSDP2 shards over dp_shard x cp like data-parallel ranks.
+
+Attention needs each query against the whole sequence's keys and values: every layer all-gathers
+K and V over the cp group (forward) and reduce-scatters their gradients (backward), then puts
+the gathered chunks back in sequence order, so each query row meets the same keys in the same
+order as without cp. K/V travel in the compute dtype, and so do their gradients: each rank's
+partial dK/dV is already rounded to it by the attention kernel, and at cp 2 a sum of two
+operands rounds once whether it is taken in bf16 or in fp32 (at larger cp bf16 rounds once per
+partial sum). This all-gather form runs on gloo as on NCCL; it holds the full K/V of one layer
+at a time (a ring that passes them rank to rank would hold two chunks; plait has none yet).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait.masking import allowed, block_mask, document_ids, positions_in_documents
+
+
+def chunk_indices(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """The sequence indices cp rank `rank` holds: chunks rank and 2·cp-1-rank of 2·cp."""
+    chunk = seq_len // (2 * cp)
+    index = torch.arange(seq_len, device=device).view(2 * cp, chunk)
+    return torch.cat([index[rank], index[2 * cp - 1 - rank]])
+
+
+def sequence_order(gathered: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
+    """Chunks all-gathered rank by rank ([r0: c0 c2cp-1][r1: c1 c2cp-2]...) back in order c0 c1 ... c2cp-1."""
+    parts = gathered.unflatten(dim, (cp, 2, -1))
+    first, second = parts.select(dim + 1, 0), parts.select(dim + 1, 1).flip(dim)
+    return torch.cat([first, second], dim).flatten(dim, dim + 1)
+
+
+class BatchLayout:
+    """What this rank's model gets of each micro-batch: (tokens, labels, forward kwargs). Under the
+    causal mask without cp, the batch as it is (SDPA's causal path); else RoPE positions and a
+    mask (plait/masking.py) for this rank's share of the sequence."""
+
+    def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int):
+        self.document, self.kernel, self.eos, self.rank, self.cp = mask == "document", kernel, eos, cp_rank, cp
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        if not self.document and self.cp == 1:
+            return inputs, labels, {}
+        batch, seq = inputs.shape
+        queries = chunk_indices(seq, self.rank, self.cp, inputs.device)
+        if self.document:
+            documents = document_ids(inputs, self.eos)
+            positions = positions_in_documents(documents)[:, queries]
+        else:
+            documents = torch.zeros_like(inputs)
+            positions = queries.expand(batch, -1)
+        mask = block_mask(documents, queries) if self.kernel == "flex" else allowed(documents, queries)
+        return inputs[:, queries], labels[:, queries], {"positions": positions, "mask": mask}
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Hand every attention kernel the whole sequence's keys and values (a pre-hook on each
+    block's `attention.core`): the model itself is untouched."""
+    group, cp = cp_mesh.get_group(), cp_mesh.size()
+
+    def whole_sequence(module, args):
+        q, k, v, mask = args
+        # [batch, heads, seq, head_dim]: gathered along the sequence, with autograd (the
+        # backward reduce-scatters the gradients); funcol keeps it traceable by torch.compile.
+        k, v = (sequence_order(funcol.all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=group), cp, 2)
+                for t in (k, v))
+        return q, k, v, mask
+
+    for block in model.layers.values():
+        block.attention.core.register_forward_pre_hook(whole_sequence)

@@ -1,0 +1,87 @@
+"""`plait bench-context`: long sequences side by side, sequence length x (CP1, CP2) x (causal,
+document mask), on one model (default `small`), fp32.
+
+Each cell is a real `plait train` run (`plait bench`'s runner) of one sequence per step: tokens/s
+(the median after warm-up), rank 0's peak memory (on a CPU its peak RSS: the process, its state
+and its activations), and the activations `plait plan` predicts for rank 0 (checked against the
+dtype probe's measurement in tests/test_plan.py), with CP2's share of CP1's and the document
+mask's cost against causal at the same length. Machines are noisy: compare within one table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.arguments import parse, parse_args
+from plait.checks import check_options
+from plait.config import Flavor
+from plait.plan import model_shape
+from plait.plan.memory import activation_bytes
+from plait.proof.bench import BenchConfig, run_row
+
+MASKS = ("causal", "document")
+
+
+@dataclass
+class ContextBenchConfig:
+    flavor: Flavor = "small"
+    seq_lens: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    steps: int = 4
+    """optimizer steps per cell; the first `warmup` are not measured"""
+    warmup: int = 2
+    threads: int = 0
+    """CPU threads per rank; 0 = cores / ranks"""
+    out: str = ""
+    """also write every number as JSON"""
+
+
+def predicted_activations(flavor: str, seq_len: int, cp: int, mask: str) -> int:
+    cfg = check_options(parse_args(["--model.flavor", flavor, "--training.seq_len", str(seq_len),
+                                    "--training.global_batch_size", "1", "--parallelism.cp", str(cp),
+                                    "--parallelism.dp_shard", "1", "--model.attention_mask", mask,
+                                    "--training.mixed_precision_param", "float32"]), cp)
+    return activation_bytes(model_shape(cfg), cfg, None, 4)
+
+
+def measure(cfg: ContextBenchConfig) -> list[dict]:
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq_len in cfg.seq_lens:
+            for cp in (1, 2):
+                for mask in MASKS:
+                    bench = BenchConfig(flavor=cfg.flavor, steps=cfg.steps, warmup=cfg.warmup, seq_len=seq_len,
+                                        global_batch_size=1, threads=cfg.threads, attention_mask=mask)
+                    flags = ["--parallelism.cp", str(cp), "--parallelism.dp_shard", "1"]
+                    print(f"bench-context: seq {seq_len}, cp {cp}, {mask} ...", file=sys.stderr, flush=True)
+                    row = run_row(bench, cfg.flavor, f"cp{cp}", cp, flags, "float32",
+                                  Path(tmp) / f"{seq_len}-{cp}-{mask}")
+                    cells.append({"seq_len": seq_len, "cp": cp, "mask": mask, "tokens_per_sec": row["tokens_per_sec"],
+                                  "memory_gib": row["memory_gib"], "state_gib": row["state_gib"],
+                                  "activations_gib": predicted_activations(cfg.flavor, seq_len, cp, mask) / 2**30})
+    return cells
+
+
+def markdown(cells: list[dict]) -> str:
+    at = {(c["seq_len"], c["cp"], c["mask"]): c for c in cells}
+    lines = ["| seq_len | cp | mask | tokens/s | vs causal | peak memory GiB (rank 0) | activations GiB (plan) "
+             "| activations vs CP1 |", "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        causal = at[c["seq_len"], c["cp"], "causal"]
+        cp1 = at[c["seq_len"], 1, c["mask"]]
+        lines.append(f"| {c['seq_len']} | {c['cp']} | {c['mask']} | {c['tokens_per_sec']:.0f} | "
+                     f"{c['tokens_per_sec'] / causal['tokens_per_sec']:.2f}x | {c['memory_gib']:.2f} | "
+                     f"{c['activations_gib']:.2f} | {c['activations_gib'] / cp1['activations_gib']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse(ContextBenchConfig, argv, "plait bench-context")
+    cells = measure(cfg)
+    print(markdown(cells))
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps(cells, indent=1))
+    return 0

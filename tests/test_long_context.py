@@ -1,0 +1,113 @@
+"""Document masking and context parallelism's pieces, in one process: a packed sequence computes
+what each of its documents computes alone, the kernels agree, and cp's chunks and their order
+are what the unsharded computation sees. (The layouts' runs are rows of the parity matrix.)"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.masking import additive, allowed, block_mask, document_ids, positions_in_documents
+from plait.model import FLAVORS, Transformer
+from plait.parallel.context_parallel import BatchLayout, chunk_indices, sequence_order
+from plait.weights import init_weights
+
+EOS = 3
+
+
+def debug_model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(FLAVORS["debug"], vocab_size=512))
+    init_weights(model, seed=0)
+    return model
+
+
+def packed(lengths: list[int], generator: torch.Generator) -> torch.Tensor:
+    """A window of documents of these lengths, each after an end-of-text (the first one cut: none)."""
+    parts = []
+    for i, n in enumerate(lengths):
+        parts += [torch.tensor([EOS])] * (i > 0) + [torch.randint(4, 512, (n,), generator=generator)]
+    return torch.cat(parts)[None]
+
+
+def test_document_ids_and_positions_restart_after_each_end_of_text():
+    tokens = torch.tensor([[7, 8, EOS, 9, 10, 11, EOS, 12]])
+    assert document_ids(tokens, EOS).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2]]
+    assert positions_in_documents(document_ids(tokens, EOS)).tolist() == [[0, 1, 0, 1, 2, 3, 0, 1]]
+    mask = allowed(document_ids(tokens, EOS), torch.arange(8))[0, 0]
+    assert mask[5].tolist() == [False, False, True, True, True, True, False, False]  # its document, up to itself
+
+
+def test_a_packed_sequence_computes_what_each_document_computes_alone():
+    """Per-token losses of a packed window under the document mask equal those of each document
+    run alone from position 0 (the end-of-text that opens it included): fp32, within 1e-6 (the
+    same arithmetic on a different number of rows: matmul blocking may differ in the last bit)."""
+    model = debug_model()
+    tokens = packed([9, 20, 14, 7], torch.Generator().manual_seed(1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    layout = BatchLayout("document", "sdpa", EOS, 0, 1)
+    inputs, labels, attention = layout(inputs, labels)
+    with torch.no_grad():
+        per_token = F.cross_entropy(model(inputs, **attention)[0], labels[0], reduction="none")
+        starts = [0, *(i for i in range(inputs.shape[1]) if inputs[0, i] == EOS), inputs.shape[1]]
+        alone = torch.cat([F.cross_entropy(model(inputs[:, a:b])[0], labels[0, a:b], reduction="none")
+                           for a, b in zip(starts, starts[1:])])
+        causal = F.cross_entropy(model(inputs)[0], labels[0], reduction="none")
+    assert (per_token - alone).abs().max() <= 1e-6
+    assert (per_token - causal).abs().max() > 1e-2  # across documents the causal mask computes something else
+
+
+def test_the_causal_mask_as_a_tensor_equals_the_causal_path_bitwise():
+    """cp > 1 runs causal attention as mask rows (SDPA's grouped-query path): the forward is
+    bitwise that of SDPA's causal path, which `causal` without cp keeps."""
+    model = debug_model()
+    inputs = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(2))
+    zeros = torch.zeros_like(inputs)
+    with torch.no_grad():
+        rows = model(inputs, positions=torch.arange(64).expand(2, -1), mask=allowed(zeros, torch.arange(64)))
+        assert torch.equal(rows, model(inputs))
+
+
+def test_flex_attention_forward_equals_sdpa_under_the_document_mask():
+    """Where both run (forward on CPU; CPU has no FlexAttention backward), the same numbers:
+    fp32 within 1e-5 (FlexAttention reduces blocks in another order)."""
+    model = debug_model()
+    tokens = packed([30, 50, 47], torch.Generator().manual_seed(3))[:, :128]
+    documents = document_ids(tokens, EOS)
+    positions = positions_in_documents(documents)
+    with torch.no_grad():
+        sdpa = model(tokens, positions=positions, mask=allowed(documents, torch.arange(128)))
+        flex = model(tokens, positions=positions, mask=block_mask(documents, torch.arange(128)))
+    assert (sdpa - flex).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_chunks_balance_causal_work_and_gather_back_in_sequence_order(cp):
+    seq = 8 * cp
+    shares = [chunk_indices(seq, r, cp) for r in range(cp)]
+    assert sorted(torch.cat(shares).tolist()) == list(range(seq))
+    # causal work of a rank: keys each of its queries sees; head-tail chunks make them equal
+    assert len({int((share + 1).sum()) for share in shares}) == 1
+    gathered = torch.cat(shares)[None, None, :, None].float()  # what an all-gather of each rank's share returns
+    assert sequence_order(gathered, cp, 2).flatten().tolist() == list(range(seq))
+
+
+def test_cp_shards_tokens_labels_positions_and_mask_rows_together():
+    tokens = packed([5, 12, 20], torch.Generator().manual_seed(4))[:, :32]
+    inputs, labels = tokens, tokens.roll(-1, 1)
+    whole = BatchLayout("document", "sdpa", EOS, 0, 1)(inputs, labels)
+    for rank in range(2):
+        mine, their_labels, attention = BatchLayout("document", "sdpa", EOS, rank, 2)(inputs, labels)
+        rows = chunk_indices(32, rank, 2)
+        assert torch.equal(mine, inputs[:, rows]) and torch.equal(their_labels, labels[:, rows])
+        assert torch.equal(attention["positions"], whole[2]["positions"][:, rows])
+        assert torch.equal(attention["mask"], whole[2]["mask"][:, :, rows])
+
+
+def test_the_mask_is_converted_once_to_the_compute_dtype():
+    mask = allowed(torch.zeros(1, 4, dtype=torch.long), torch.arange(4))
+    assert additive(mask, torch.bfloat16).dtype == torch.bfloat16
+    assert additive(mask, torch.float32)[0, 0].tolist() == [[0, -float("inf"), -float("inf"), -float("inf")],
+                                                           [0, 0, -float("inf"), -float("inf")],
+                                                           [0, 0, 0, -float("inf")], [0, 0, 0, 0]]
