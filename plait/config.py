@@ -323,7 +323,6 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(
             f"parallelism: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x cp({p.cp}) x tp({p.tp}) x "
             f"pp({p.pp}) = {others * p.dp_shard} must equal the world size {world}")
-    check_long_context(cfg)
     if p.dp_backend == "ddp" and p.dp_shard != 1:
         raise ConfigError(f"parallelism.dp_backend: ddp replicates, it cannot shard (dp_shard={p.dp_shard}); "
                           "use dp_replicate alone, or dp_backend fsdp2 for FSDP2/HSDP")
@@ -397,29 +396,6 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError(f"profiling.steps: profiling {prof.steps} steps from step {prof.start_step or 2} "
                           f"needs training.steps >= {last_profiled}, got {t.steps}")
     return cfg
-
-
-def check_long_context(cfg: JobConfig) -> None:
-    """Context parallelism and the attention kernel against the other options: one line each."""
-    p, t, m = cfg.parallelism, cfg.training, cfg.model
-    if p.cp > 1 and p.dp_backend != "fsdp2":
-        raise ConfigError(f"parallelism.dp_backend: {p.dp_backend} cannot run with cp > 1 (its parameters would be "
-                          "reduced over dp only, and the cp ranks hold parts of one sequence whose gradients must be "
-                          "averaged too); allowed with cp > 1: fsdp2 (DDP, FSDP2, HSDP over dp x cp)")
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        raise ConfigError(f"training.seq_len: {t.seq_len} does not split into 2 x cp = {2 * p.cp} equal chunks "
-                          f"(parallelism.cp {p.cp} load-balances causal attention with two chunks per rank); "
-                          f"allowed: a multiple of {2 * p.cp}")
-    if p.cp > 1 and p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(f"training.seq_len: each cp rank's {t.seq_len // p.cp} tokens do not split over tp {p.tp} "
-                          f"(parallelism.sequence_parallel); allowed: a multiple of {p.cp * p.tp * 2}")
-    if m.attention == "flex":
-        if m.attention_mask != "document":
-            raise ConfigError("model.attention: flex serves the document mask; under model.attention_mask causal "
-                              "allowed: auto or sdpa (SDPA's causal path needs no mask at all)")
-        if p.pp > 1 or p.cp > 1:
-            raise ConfigError("model.attention: flex is not proven with pp > 1 or cp > 1 (a pipeline splits its inputs "
-                              "by tensor, and a BlockMask is none); allowed there: auto or sdpa")
 
 
 def mix_sources(spec: str) -> list[tuple[str, float]]:

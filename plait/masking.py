@@ -72,6 +72,16 @@ def attention_kernel(cfg: JobConfig) -> str:
 
 
 def check_attention(cfg: JobConfig) -> None:
-    if cfg.model.attention == "flex" and pick_device(cfg.training.device).type != "cuda":
+    """`model.attention flex` against the other options and the device: one line each."""
+    m, p = cfg.model, cfg.parallelism
+    if m.attention != "flex":
+        return
+    if m.attention_mask != "document":
+        raise ConfigError("model.attention: flex serves the document mask; under model.attention_mask causal "
+                          "allowed: auto or sdpa (SDPA's causal path needs no mask at all)")
+    if p.pp > 1 or p.cp > 1:
+        raise ConfigError("model.attention: flex is not proven with pp > 1 or cp > 1 (a pipeline splits its inputs "
+                          "by tensor, and a BlockMask is none); allowed there: auto or sdpa")
+    if pick_device(cfg.training.device).type != "cuda":
         raise ConfigError("model.attention: flex cannot train on this device (torch 2.13 has no FlexAttention "
                           "backward on CPU); allowed: auto or sdpa (SDPA with the document mask)")

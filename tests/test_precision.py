@@ -24,6 +24,7 @@ RUNS = {  # name: (layout in conftest.LAYOUTS, precision options, mode options)
     "fsdp_bf16_reduce": ("fsdp2", [*BF16, *BF16_REDUCE], []),
     "hsdp_bf16_reduce": ("hsdp_w4", [*BF16, *BF16_REDUCE], []),
     "single_fp32": ("single", [], []),
+    "cp": ("cp", BF16, []),
 }
 
 
@@ -49,6 +50,17 @@ def test_every_layout_computes_in_bf16_and_reduces_in_the_asked_dtype(runs, name
     assert dtypes(probe, "backward", "matmul") == {"bfloat16"}
     if not name.startswith("single"):  # a single device reduces nothing
         assert dtypes(probe, "backward", "collective", GRAD_REDUCTIONS) == {reduce}, probe
+
+
+def test_context_parallel_moves_keys_values_and_their_gradients_in_the_compute_dtype(runs):
+    """CP2 in bf16 (2 blocks, 2 micro-batches): K and V all-gathered in forward and their
+    gradients reduce-scattered in backward in bf16 (2 x 2 x 2 calls each), FSDP2's parameter
+    gradients (over dp_shard x cp) in the fp32 reduce dtype."""
+    _, probe = runs["cp"]
+    calls = {(r["phase"], r["op"], r["dtypes"]): r["count"] for r in probe if r["kind"] == "collective"}
+    assert calls["forward", "all_gather_into_tensor", "bfloat16"] == 8
+    assert calls["backward", "reduce_scatter_tensor", "bfloat16"] == 8
+    assert dtypes(probe, "backward", "collective", {"_reduce_scatter_base_"}) == {"float32"}
 
 
 PIPELINE_RUNS = {  # name: (layout, mode options); bf16 param runs are the parity matrix's

@@ -18,12 +18,33 @@ at a time (a ring that passes them rank to rank would hold two chunks; plait has
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.config import ConfigError, JobConfig
 from plait.masking import allowed, block_mask, document_ids, positions_in_documents
+
+
+def check_context_parallel(cfg: JobConfig) -> None:
+    """cp against the other options, before any process group: one line each."""
+    p, t = cfg.parallelism, cfg.training
+    if p.cp == 1:
+        return
+    if p.dp_backend != "fsdp2":
+        raise ConfigError(f"parallelism.dp_backend: {p.dp_backend} cannot run with cp > 1 (its parameters would be "
+                          "reduced over dp only, and the cp ranks hold parts of one sequence whose gradients must be "
+                          "averaged too); allowed with cp > 1: fsdp2 (DDP, FSDP2, HSDP over dp x cp)")
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(f"training.seq_len: {t.seq_len} does not split into 2 x cp = {2 * p.cp} equal chunks "
+                          f"(parallelism.cp {p.cp} load-balances causal attention with two chunks per rank); "
+                          f"allowed: a multiple of {2 * p.cp}")
+    if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"training.seq_len: each cp rank's {t.seq_len // p.cp} tokens do not split over tp {p.tp} "
+                          f"(parallelism.sequence_parallel); allowed: a multiple of {math.lcm(2 * p.cp, p.cp * p.tp)}")
 
 
 def chunk_indices(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
