@@ -85,9 +85,10 @@ class BatchLayout:
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Hand every attention kernel the whole sequence's keys and values (a pre-hook on each
-    block's `attention.core`): the model itself is untouched."""
-    group, cp = cp_mesh.get_group(), cp_mesh.size()
+    """Hand every attention kernel the whole sequence's keys and values and where its queries
+    lie in the sequence (a pre-hook on each block's `attention.core`): the model itself is
+    untouched."""
+    group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
 
     def whole_sequence(module, args):
         q, k, v, mask = args
@@ -95,7 +96,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         # backward reduce-scatters the gradients); funcol keeps it traceable by torch.compile.
         k, v = (sequence_order(funcol.all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=group), cp, 2)
                 for t in (k, v))
-        return q, k, v, mask
+        chunk = q.shape[2] // 2  # this rank's queries: chunks rank and 2·cp-1-rank, where they lie
+        return q, k, v, mask, ((rank * chunk, chunk), ((2 * cp - 1 - rank) * chunk, chunk))
 
     for block in model.layers.values():
         block.attention.core.register_forward_pre_hook(whole_sequence)

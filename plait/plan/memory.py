@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.config import JobConfig
-from plait.model import ModelArgs, Transformer
+from plait.model import QUERY_BLOCK, ModelArgs, Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 
 COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight")
@@ -126,7 +126,7 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
-                           cp: int = 1) -> int:
+                           cp: int = 1, joined: bool = False) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -137,7 +137,8 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     Under TP heads and FFN are split, the norms run on the sequence shard, and the q/k/v and
     w1/w3 inputs are the gathered (full-sequence) norm outputs. Under a mask (the document mask,
     or cp) attention keeps k and v unrepeated (SDPA's grouped-query path), those of the whole
-    sequence under cp: `tokens` x cp keys.
+    sequence under cp: `tokens` x cp keys; run in several query blocks (`joined`), each block's
+    output is kept for its backward and their join for the output projection's.
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
     if mode == "full":
@@ -147,13 +148,20 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
         matmuls = heads * hd + 2 * kv * hd + 2 * ffn + 2 * d + (2 * d // tp if tp > 1 else 0)
         return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads)
     norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
-    attention = tokens * 4 * heads * hd * e if not masked else (tokens * 2 * heads + tokens * cp * 2 * kv) * hd * e
+    attention = tokens * 4 * heads * hd * e if not masked else \
+        (tokens * (2 + joined) * heads + tokens * cp * 2 * kv) * hd * e
     return norms + attention + tokens * (4 * heads + 4 * ffn * e)
 
 
 def masked(cfg: JobConfig) -> bool:
     """Whether attention runs under a mask tensor: the document mask, or causal rows under cp."""
     return cfg.model.attention_mask == "document" or cfg.parallelism.cp > 1
+
+
+def joined(cfg: JobConfig) -> bool:
+    """Whether masked attention runs in more than one query block (model.masked_attention):
+    always under cp (two chunks per rank), else beyond QUERY_BLOCK tokens."""
+    return masked(cfg) and (cfg.parallelism.cp > 1 or cfg.training.seq_len > QUERY_BLOCK)
 
 
 def mask_bytes(args: ModelArgs, cfg: JobConfig, sequences: int, e: int) -> int:
@@ -192,7 +200,7 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp, masked(cfg),
-                                       cfg.parallelism.cp) for i in blocks)
+                                       cfg.parallelism.cp, joined(cfg)) for i in blocks)
     if last:
         vocab = args.vocab_size // tp
         total += tokens // tp * (8 * args.dim + 4) + tokens * (e * args.dim + 4 * vocab) + 8
