@@ -29,7 +29,9 @@ CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", 
     ("pp", [], [], 1e-6),  # PP2 1f1b, blocks compiled inside the stages: measured 4.8e-7
     # activation checkpointing inside the compiled blocks (eager side: test_plan's AC run)
     ("fsdp2", [], ["--activation_checkpoint.mode", "full"], 1e-6),
-], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32", "fsdp2-fp32-ac-full"])
+    # CP2: the K/V all-gather (functional collectives) and the query blocks inside the graph: measured bitwise
+    ("cp", [], [], 1e-6),
+], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32", "fsdp2-fp32-ac-full", "cp2-fp32"])
 def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mode, tolerance):
     eager, _ = layout_run(train_once, layout, precision, mode)  # shared with the parity tests
     world, args = LAYOUTS[layout]
