@@ -171,7 +171,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     discards the masked ones: at seq 8192 that doubled attention's work. `enable_gqa` keeps k and
     v unrepeated (saved so for backward; on a 2-core CPU at seq 2048 also 3x faster than
     repeating them under a mask). Block outputs are joined in the [batch, seq, heads, head_dim]
-    layout SDPA writes, so the output projection reads them without another copy."""
+    layout SDPA writes, so the join is the one copy the output projection reads (no transpose
+    copy after it)."""
     outputs, row = [], 0
     for start, length in queries:
         for offset in range(0, length, QUERY_BLOCK):

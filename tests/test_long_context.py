@@ -71,7 +71,7 @@ def test_the_causal_mask_as_a_tensor_equals_the_causal_path_bitwise():
 
 def test_flex_attention_forward_equals_sdpa_under_the_document_mask():
     """Where both run (forward on CPU; CPU has no FlexAttention backward), the same numbers:
-    fp32 within 1e-5 (FlexAttention reduces blocks in another order)."""
+    fp32, measured 3.6e-7, bound 2e-6 (FlexAttention reduces blocks in another order)."""
     model = debug_model()
     tokens = packed([30, 50, 47], torch.Generator().manual_seed(3))[:, :128]
     documents = document_ids(tokens, EOS)
@@ -79,7 +79,7 @@ def test_flex_attention_forward_equals_sdpa_under_the_document_mask():
     with torch.no_grad():
         sdpa = model(tokens, positions=positions, mask=allowed(documents, torch.arange(128)))
         flex = model(tokens, positions=positions, mask=block_mask(documents, torch.arange(128)))
-    assert (sdpa - flex).abs().max() <= 1e-5
+    assert (sdpa - flex).abs().max() <= 2e-6
 
 
 @pytest.mark.parametrize("cp", [2, 4])

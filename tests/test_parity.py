@@ -25,10 +25,10 @@ TIED_REORDERED = 2e-6  # two fp32 ulps of a loss in [8, 16): see the tied rows
 # 3.7e-4 on an AVX2 CPU (emulated bf16), 3.0e-4 with oneDNN capped at AVX2; bound 2.5x the worst.
 BF16_REORDERED = 1e-3
 
-# Context parallelism computes each query row as one device does (the same keys in the same
-# order, forward bitwise), but each key's dK/dV is the sum of two ranks' partials, which one
-# device's kernel accumulates in one loop: last-bit differences in fp32, measured 4.8e-7 in every
-# cp row (1 ulp of a loss in [4, 8)). Its bf16 row: one, the mechanism is the same in the others.
+# Context parallelism gives each query row the same keys in the same order as one device, but
+# its query blocks (a rank's two chunks) end where one device's do not, and each key's dK/dV is
+# the sum of two ranks' partials, which one device's kernel accumulates in one loop: last-bit
+# differences in fp32, measured at most 4.8e-7 in every cp row (1 ulp of a loss in [4, 8)). Its bf16 row: one, the mechanism is the same in the others.
 CONTEXT = ("cp", "cp_causal", "cp_fsdp2", "cp_tp", "pp_cp", "cp_fsdp2_tp")
 CONTEXT_BF16 = ("cp",)
 # Every layout without a pipeline or cp (the tied model's rows are fp32: what tying changes is

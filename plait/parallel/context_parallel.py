@@ -76,12 +76,14 @@ class BatchLayout:
         queries = chunk_indices(seq, self.rank, self.cp, inputs.device)
         if self.document:
             documents = document_ids(inputs, self.eos)
-            positions = positions_in_documents(documents)[:, queries]
+            positions = positions_in_documents(documents)
         else:
             documents = torch.zeros_like(inputs)
             positions = queries.expand(batch, -1)
         mask = block_mask(documents, queries) if self.kernel == "flex" else allowed(documents, queries)
-        return inputs[:, queries], labels[:, queries], {"positions": positions, "mask": mask}
+        if self.cp == 1:  # the whole sequence: nothing to shard
+            return inputs, labels, {"positions": positions, "mask": mask}
+        return inputs[:, queries], labels[:, queries], {"positions": positions[:, queries], "mask": mask}
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
