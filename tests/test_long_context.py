@@ -103,6 +103,10 @@ def test_cp_shards_tokens_labels_positions_and_mask_rows_together():
         assert torch.equal(mine, inputs[:, rows]) and torch.equal(their_labels, labels[:, rows])
         assert torch.equal(attention["positions"], whole[2]["positions"][:, rows])
         assert torch.equal(attention["mask"], whole[2]["mask"][:, :, rows])
+        # causal: positions are the shard's sequence indices, its mask rows the causal ones
+        _, _, causal = BatchLayout("causal", "sdpa", EOS, rank, 2)(inputs, labels)
+        assert torch.equal(causal["positions"], rows.expand(1, -1))
+        assert torch.equal(causal["mask"], allowed(torch.zeros_like(inputs), torch.arange(32))[:, :, rows])
 
 
 def test_the_mask_is_converted_once_to_the_compute_dtype():

@@ -79,7 +79,7 @@ class BatchLayout:
             positions = positions_in_documents(documents)
         else:
             documents = torch.zeros_like(inputs)
-            positions = queries.expand(batch, -1)
+            positions = torch.arange(seq, device=inputs.device).expand(batch, -1)
         mask = block_mask(documents, queries) if self.kernel == "flex" else allowed(documents, queries)
         if self.cp == 1:  # the whole sequence: nothing to shard
             return inputs, labels, {"positions": positions, "mask": mask}
