@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from plait import digests, hf, safe_dcp
+from plait import digests, float8, hf, safe_dcp
 from plait.digests import damaged, verify
 from plait.config import ConfigError, JobConfig
 from plait.hf.tokenizer import TOKENIZER
@@ -237,7 +237,7 @@ class Checkpointer:
         state = {"model": get_model_state_dict(self.model)}
         if with_optimizer:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        return state
+        return float8.master_weights(state) if float8.fsdp_all_gather(self.cfg) else state
 
     def restore(self) -> int:
         """Resume from the newest complete checkpoint in checkpoint.folder (everything: weights,

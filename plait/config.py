@@ -76,6 +76,9 @@ class Training:
     """dtype gradients travel and are reduced in"""
     mixed_precision_mode: Literal["param", "autocast"] = "param"
     """param: parameters cast at module boundaries (FSDP2 policy); autocast: op-level torch.autocast in forward"""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """float8 matmuls in the blocks' linear layers (torchao's recipes: scales per tensor or per row; needs
+    the .[float8] extra); master weights, attention, norms and the output layer stay as above"""
     eval_interval: int = 0
     """measure the validation loss (data.val_path) every N steps and at the last step; 0 = never"""
     eval_steps: int = 4

@@ -12,6 +12,10 @@ exists for: a trainer whose bf16 setting only reached FSDP runs, so DDP trained 
 | ddp        | autocast | torch.autocast around forward + loss       | all-reduce (+ bf16 compression hook)  |
 | simple_fsdp| param    | redistribute(forward_dtype=compute)        | redistribute(backward_dtype=reduce)   |
 | simple_fsdp| autocast | torch.autocast around forward + loss       | redistribute(backward_dtype=reduce)   |
+
+`training.float8` (tensorwise or rowwise) is one more column: the blocks' linear layers multiply
+in float8 (torchao, `plait/float8.py`) and everything else as the row says; fsdp2 and ddp run it,
+simple_fsdp refuses it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig
+from plait.float8 import check_float8
 from plait.hardware import native_bf16, pick_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,6 +42,7 @@ class Precision:
     backend: str  # data-parallel implementation
     emulated: bool = False  # bf16 asked for on hardware without bf16 matmul units: it runs, slowly
     chosen_by: str = ""  # how `auto` picked the compute dtype, for the start-up line
+    float8: str = "none"  # float8 recipe of the blocks' linear layers, or none
 
     @property
     def autocast(self) -> bool:
@@ -67,7 +73,8 @@ class Precision:
 
     def describe(self) -> str:
         why = f" ({self.chosen_by})" if self.chosen_by else " (emulated: no bf16 matmul units here)" * self.emulated
-        return f"precision: compute {_name(self.compute)}{why}, reduce {_name(self.reduce)}, mode {self.mode} via {self.mechanism()}"
+        float8 = f" (blocks' linear layers: float8 {self.float8})" * (self.float8 != "none")
+        return f"precision: compute {_name(self.compute)}{float8}{why}, reduce {_name(self.reduce)}, mode {self.mode} via {self.mechanism()}"
 
 
 def _name(dtype: torch.dtype | None) -> str:
@@ -84,11 +91,13 @@ def resolve(cfg: JobConfig) -> Precision:
     if t.mixed_precision_param == "float16":
         raise ConfigError("training.mixed_precision_param: float16 needs dynamic loss scaling, which plait does "
                           "not implement; allowed: bfloat16 (same range as float32, no scaling needed), float32")
-    native, why = native_bf16(pick_device(t.device))
+    device = pick_device(t.device)
+    check_float8(cfg, device)
+    native, why = native_bf16(device)
     compute = ("bfloat16" if native else "float32") if t.mixed_precision_param == "auto" else t.mixed_precision_param
     precision = Precision(DTYPES[compute], DTYPES[t.mixed_precision_reduce], t.mixed_precision_mode, backend,
                           emulated=compute == "bfloat16" and not native,
-                          chosen_by=f"auto: {why}" if t.mixed_precision_param == "auto" else "")
+                          chosen_by=f"auto: {why}" if t.mixed_precision_param == "auto" else "", float8=t.float8)
     if backend == "ddp" and precision.mode == "param" and precision.compute != torch.float32:
         raise ConfigError("training.mixed_precision_mode: param is not possible with parallelism.dp_backend ddp "
                           "(DistributedDataParallel cannot cast parameters at module boundaries); use "

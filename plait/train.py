@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plait import hf, parallel
+from plait import float8, hf, parallel
 from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, world_size
@@ -239,6 +239,7 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
     check_divisibility(args, cfg)
+    float8.check_layers(args, cfg)
     identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)
     check_data_sizes(cfg, corpus)
@@ -302,6 +303,13 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
             print(f"plait: warning: bfloat16 was asked for, but this device has no bf16 matmul units: the model's "
                   f"matmuls measured {fp32_peak / peak.flops:.0f}x slower in bf16 than in float32 here "
                   f"(--training.mixed_precision_param auto picks float32 on such hardware)", flush=True)
+        if t.float8 != "none":
+            print(f"plait: {float8.summary(args, cfg, device)}", flush=True)
+            if not float8.native_float8(device)[0]:
+                print(f"plait: warning: float8 is emulated here: a linear layer's training step measured "
+                      f"{float8.slowdown(precision.compute, max(shapes, key=math.prod)):.1f}x slower in float8 than in "
+                      f"{str(precision.compute).removeprefix('torch.')} (float8 pays off on GPUs with float8 tensor cores)",
+                      flush=True)
 
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)

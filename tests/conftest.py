@@ -64,6 +64,8 @@ PP2 = ["--parallelism.pp", "2"]
 TIED = ["--model.tie_embeddings"]
 CP2 = ["--parallelism.cp", "2"]
 CAUSAL = ["--model.attention_mask", "causal"]
+FLOAT8 = ["--training.float8", "tensorwise"]
+ROWWISE = ["--training.float8", "rowwise"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 
 
@@ -120,10 +122,25 @@ LAYOUTS = {
     "cp_tp": (4, [*CP2, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "pp_cp": (4, [*PP2, *CP2]),
     "cp_fsdp2_tp": (8, [*CP2, *degrees(1, 2, tp=2)]),
+    # Float8 (the blocks' linear layers), against the single device with the same recipe:
+    # tensorwise in every layout that shards or reorders what its scales are taken over, rowwise
+    # where sharding meets its per-row scales (FSDP2 gathers it in the compute dtype, TP splits rows).
+    "single_f8": (1, [*FLOAT8, "--training.micro_batch_size", "2"]),
+    "fsdp2_f8": (2, [*FLOAT8, *degrees(1, 2)]),
+    "ddp_f8": (2, [*FLOAT8, *degrees(2, 1)]),
+    "tp_f8": (2, [*FLOAT8, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "pp_f8": (2, [*FLOAT8, *PP2]),
+    "fsdp2_tp_f8": (4, [*FLOAT8, *degrees(1, 2, tp=2)]),
+    "single_f8_rowwise": (1, [*ROWWISE, "--training.micro_batch_size", "2"]),
+    "fsdp2_f8_rowwise": (2, [*ROWWISE, *degrees(1, 2)]),
+    "tp_f8_rowwise": (2, [*ROWWISE, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "fsdp2_tp_f8_rowwise": (4, [*ROWWISE, *degrees(1, 2, tp=2)]),
 }
 
 
 def reference(args: list[str]) -> str:
+    if FLOAT8[0] in args:
+        return f"single_f8{'_rowwise' * (ROWWISE[1] in args)}"
     if "--model.n_layers" in args:
         return "single_deep"
     return "single_tied" if TIED[0] in args else "single_causal" if CAUSAL[1] in args else "single"

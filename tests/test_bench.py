@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "3",
-                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp", "--out",
+                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp",
+                           "single_float8", "--out",
                            str(out),
                            "--emulated_bf16", "run"],  # the same rows on every CPU kind
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -25,7 +26,7 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     assert "| raw PyTorch loop (no plait) | 1 |" in proc.stdout and "| FSDP2 | 2 |" in proc.stdout
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {row["key"]: row for row in result["rows"]}
-    assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp"]
+    assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp", "single_float8"]
     for dtype in ("float32", "bfloat16"):
         assert all(row[f"{dtype}_tokens_per_sec"] > 0 and row[f"{dtype}_vs_raw"] > 0
                    and row[f"{dtype}_memory_gib"] > 0 for row in rows.values())
@@ -49,6 +50,8 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     for dtype in ("float32", "bfloat16"):  # each rank's idle share, next to the schedule's ideal bubble
         assert set(rows["pp"][f"{dtype}_idle"]) == {"0", "1"} and all(0 < v < 1 for v in rows["pp"][f"{dtype}_idle"].values())
         assert f"PP2 (1f1b, 4 micro-batches) {dtype}: idle rank 0 " in proc.stdout
+    float8 = rows["single_float8"]["float32_tokens_per_sec"] / rows["single"]["float32_tokens_per_sec"]
+    assert f"single device, float8 tensorwise vs single device: {float8:.2f}x (float32)" in proc.stdout
     line = "FSDP2 state per rank / DDP (fully_shard, replicate mesh) state per rank at world 2: 0.50"
     assert line in proc.stdout and line in out.with_suffix(".md").read_text()
     machine = result["hardware"]["debug"]

@@ -28,13 +28,14 @@ AMBIGUOUS = min(key for key, n in Counter(name.split(".", 1)[1] for name in opti
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     """Single vs FSDP2 vs DDP vs PP2 at world 2, validation loss included, the reference exported
-    as a golden file: (folder, exit code, stdout, the shared options)."""
+    as a golden file: (folder, exit code, stdout, the shared options). Two runs train at once
+    (--jobs 2), and they are still bitwise equal: each runs one thread per rank."""
     folder = tmp_path_factory.mktemp("compare")
     (folder / "val.txt").write_text(validation_text())
     shared = [*SHARED, *VALIDATE, "--data.val_path", str(folder / "val.txt")]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = main(["compare", "--out", str(folder / "out"), "--steps", "4", "--assert-equal",
+        code = main(["compare", "--out", str(folder / "out"), "--steps", "4", "--assert-equal", "--jobs", "2",
                      "--export", str(folder / "golden.json"),
                      "--run", SINGLE, "--run", "dp_shard=2", "--run", "dp_replicate=2", "--run", "pp=2", *shared])
     return folder, code, stdout.getvalue(), shared

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait import float8
 from plait.config import JobConfig
 from plait.model import ModelArgs, Transformer
 from plait.parallel.activation_checkpoint import apply_ac
@@ -40,6 +41,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     materialise and initialise what this rank owns."""
     backend = cfg.parallelism.dp_backend
     ac, n_blocks = cfg.activation_checkpoint, model.args.n_layers
+    if cfg.training.float8 != "none":  # first: the other plans wrap and shard the float8 layers
+        float8.convert(model, cfg)
     if cfg.parallelism.cp > 1:  # start-up refuses cp with SimpleFSDP and classic DDP
         apply_cp(model, mesh["cp"])
     if backend != "simple_fsdp":  # SimpleFSDP checkpoints its blocks itself: it reshards that way

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from plait.float8 import ByteAllGather
 from plait.parallel.mesh import shard_dim
 from plait.precision import Precision
 
@@ -37,4 +38,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelin
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=sharded and i < len(blocks) - 1)
     # Embedding, final norm and output share the root unit.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    if precision.float8 != "none":  # float8 all-gather: the bytes as uint8 (gloo has no float8 type)
+        for unit in [*blocks, model]:
+            unit.set_custom_all_gather(ByteAllGather())
     return model

@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from plait import float8
 from plait.config import JobConfig, dp_degree
 from plait.model import ModelArgs, flops_per_token
 from plait.parallel.activation_checkpoint import checkpointed_blocks
@@ -43,15 +44,23 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     blocks = [u for u in grouped if u != "root"]
     if layout.shard > 1:
         sizes = {u: gathered_elements(grouped[u], layout) for u in grouped}
+        # Under float8 all-gather the converted weights travel as one byte per element, each
+        # after an all-reduce of its shard's amax (one fp32 scalar): the whole tensor's scale.
+        eight = {f"{name}.weight" for name, why in float8.layer_plan(args, p.tp).items() if not why} \
+            if float8.fsdp_all_gather(cfg) else set()
+        gathered = {u: sum(gathered_elements({n: s}, layout) * (1 if n in eight else gather) for n, s in unit.items())
+                    for u, unit in grouped.items()}
+        scales = {u: 4 * len(eight & set(unit)) for u, unit in grouped.items()}
         # Every micro-batch gathers every unit in forward and, for blocks resharded after forward
         # (all but the last), again in backward; a pipeline stage keeps its units gathered for
         # the whole step: one gather each. Gradients are reduce-scattered once, after the last
         # micro-batch.
-        if stages is None:
-            out["forward", "all_gather", "dp_shard"] += passes * gather * sum(sizes.values())
-            out["backward", "all_gather", "dp_shard"] += passes * gather * sum(sizes[u] for u in blocks[:-1])
-        else:
-            out["forward", "all_gather", "dp_shard"] += gather * sum(sizes.values())
+        again = blocks[:-1] if stages is None else []
+        times = passes if stages is None else 1
+        out["forward", "all_gather", "dp_shard"] += times * sum(gathered.values())
+        out["backward", "all_gather", "dp_shard"] += times * sum(gathered[u] for u in again)
+        out["forward", "all_reduce", "dp_shard"] += times * sum(scales.values())
+        out["backward", "all_reduce", "dp_shard"] += times * sum(scales[u] for u in again)
         out["backward", "reduce_scatter", "dp_shard"] += reduce * sum(sizes.values())
     if p.dp_replicate > 1:  # the shard's gradients, all-reduced over the replicas
         out["backward", "all_reduce", "dp_replicate"] += reduce * sum(

@@ -35,12 +35,15 @@ from plait.proof.trace import idle_fractions, summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
               "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
-              "pp", "pp_fsdp2", "cp"]
+              "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled"]
 PP_MICROBATCHES = 4
 DTYPES = ("float32", "bfloat16")
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
 # 1/world of DDP's state per rank; a pipeline stage 1/pp of the single device's.
 STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp_classic"), "pp": ("single",)}
+# float8 row: the same layout without float8, the row its tokens/s are compared with.
+FLOAT8_REFERENCES = {"single_float8": "single", "fsdp2_float8": "fsdp2", "fsdp2_float8_rowwise": "fsdp2",
+                     "fsdp2_float8_compiled": "fsdp2_compiled"}
 
 
 @dataclass
@@ -75,6 +78,7 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
     tp = ["--parallelism.tp", "2"]
     pp = ["--parallelism.pp", "2", "--parallelism.pp_microbatches", str(PP_MICROBATCHES)]
     simple = ["--parallelism.dp_backend", "simple_fsdp", "--parallelism.dp_shard", n]
+    float8 = ["--training.float8", "tensorwise"]
     return {
         "raw_pytorch": ("raw PyTorch loop (no plait)", 1, []),
         "single": ("single device", 1, []),
@@ -95,6 +99,12 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         "pp": (f"PP2 (1f1b, {PP_MICROBATCHES} micro-batches)", 2, pp),
         "pp_fsdp2": (f"PP2+FSDP2({n})", 2 * nproc, [*pp, "--parallelism.dp_shard", n]),
         "cp": ("CP2 (each sequence over 2 ranks)", 2, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1"]),
+        "single_float8": ("single device, float8 tensorwise", 1, float8),
+        "fsdp2_float8": ("FSDP2, float8 tensorwise (float8 all-gather)", nproc, ["--parallelism.dp_shard", n, *float8]),
+        "fsdp2_float8_rowwise": ("FSDP2, float8 rowwise", nproc,
+                                 ["--parallelism.dp_shard", n, "--training.float8", "rowwise"]),
+        "fsdp2_float8_compiled": ("FSDP2, float8 tensorwise, compiled", nproc,
+                                  ["--parallelism.dp_shard", n, *float8, "--compile.enable"]),
     }
 
 
@@ -256,6 +266,18 @@ def bubble_line(row: dict, dtype: str) -> str:
     return f"{row['layout']} {dtype}: idle {idle}; ideal bubble (p-1)/(m+p-1) = {100 * ideal:.0f}%"
 
 
+def float8_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
+    """Each float8 row's tokens/s against the same layout without float8, per compute dtype."""
+    by_key = {r["key"]: r for r in rows}
+    lines = []
+    for key, reference in FLOAT8_REFERENCES.items():
+        if key in by_key and reference in by_key:
+            ratios = ", ".join(f"{by_key[key][f'{d}_tokens_per_sec'] / by_key[reference][f'{d}_tokens_per_sec']:.2f}x "
+                               f"({d})" for d in dtypes)
+            lines.append(f"{by_key[key]['layout']} vs {by_key[reference]['layout']}: {ratios} tokens/s")
+    return lines
+
+
 def markdown(result: dict) -> str:
     cfg = result["settings"]
     lines = []
@@ -284,6 +306,7 @@ def markdown(result: dict) -> str:
         lines += [f"{s['layout']} state per rank / {s['reference']} state per rank at world {s['world']}: "
                   f"{s['ratio']:.2f}" for s in result["state_ratios"] if s["flavor"] == flavor]
         lines += [bubble_line(r, dtype) for r in rows for dtype in machine["dtypes"] if f"{dtype}_idle" in r]
+        lines += float8_lines(rows, machine["dtypes"])
         lines.append("")
     return "\n".join(lines).rstrip()
 

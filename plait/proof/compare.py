@@ -15,6 +15,7 @@ import sys
 import time
 import typing
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -59,6 +60,8 @@ class CompareArgs:
     """write the reference run's losses, with its config and torch version, to this golden JSON file"""
     golden: str = ""
     """also compare every run against the losses in this golden file (from --export)"""
+    jobs: int = 1
+    """runs trained at once (each runs one thread per rank, deterministically: results do not depend on it)"""
 
 
 @dataclass
@@ -294,7 +297,8 @@ def main(argv: list[str]) -> int:
     # What `plait seed-checkpoint` does, in this process: torch and the tokenizer are loaded already.
     write_seed_checkpoint(shared_cfg, model, seed, tokenizer)
     try:
-        results = [train(run, seed, out / f"run-{i}.jsonl") for i, run in enumerate(runs)]
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            results = list(pool.map(lambda i: train(runs[i], seed, out / f"run-{i}.jsonl"), range(len(runs))))
     except RunFailed as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 1

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-ATEN_KINDS = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm": "matmul",
+ATEN_KINDS = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm": "matmul", "_scaled_mm": "matmul",
               "embedding": "embedding", "_log_softmax": "loss", "nll_loss_forward": "loss"}
 ATTENTION_PREFIX = "_scaled_dot_product"
 
@@ -46,6 +47,25 @@ def _storages(tree) -> dict[int, torch.UntypedStorage]:
             except RuntimeError:  # a wrapper without storage of its own (e.g. an async collective's)
                 continue
     return found
+
+
+def stored_dtypes(tree) -> set[str]:
+    """The dtypes of the floating-point data the tensors in `tree` really hold: a wrapper subclass
+    (a DTensor, torchao's float8 tensors) by its inner tensors (a float8 payload and its fp32
+    scale), not by the dtype it presents."""
+    found = set()
+    for t in tree_leaves(tree):
+        if is_traceable_wrapper_subclass(t):
+            found |= stored_dtypes([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        elif isinstance(t, torch.Tensor) and t.is_floating_point():
+            found.add(str(t.dtype).removeprefix("torch."))
+    return found
+
+
+def float8_wrapper(tree):
+    """The class of a non-DTensor wrapper subclass in `tree` (torchao's float8 tensors), if any."""
+    return next((type(t) for t in tree_leaves(tree) if is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor)),
+                None)
 
 
 class SavedActivations:
@@ -86,11 +106,16 @@ class DtypeProbe(TorchDispatchMode):
         self.measured = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if wrapper := float8_wrapper((args, kwargs)):
+            # A float8 tensor's op is the subclass's own code, which runs the real ops (its casts and
+            # `_scaled_mm`): run it with the probe on, so those are what the probe records.
+            with self:
+                return wrapper.__torch_dispatch__(func, types, args, kwargs or {})
         phase = self.contexts.phase
         kind = op_kind(func)
         if kind:
-            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tree_leaves((args, kwargs))
-                             if isinstance(t, torch.Tensor) and t.is_floating_point()})
+            # (Under TP a float8 matmul arrives as a DTensor op: recorded by its float8 payload.)
+            dtypes = sorted(stored_dtypes((args, kwargs)))
             self.counts[(phase, kind, func._opname, ",".join(dtypes))] += 1
         if phase == "backward" and not self.measured:
             # The step's first backward: every forward before it (one micro-batch, or a pipeline's

@@ -1,0 +1,133 @@
+"""Float8 training: which matmuls run float8 in every layout (the dtype probe), what FSDP2's
+float8 all-gather moves (profiler traces), checkpoints that stay fp32 master weights, and the
+refusals. The parity rows are in test_parity (the shared runs of conftest.LAYOUTS)."""
+
+import shutil
+
+import pytest
+
+from conftest import BF16, FLOAT8, LAYOUTS, STEPS, TINY, degrees, layout_run, losses, run_plait
+from plait import float8
+from plait.arguments import parse_args
+from plait.checks import check_options
+from plait.config import ConfigError
+from plait.model import ModelArgs, model_args
+from plait.proof.trace import summarise
+
+# The debug model's blocks: 2 x (wq, wk, wv, wo, w1, w2, w3) run float8; the output layer does not.
+CONVERTED, LINEAR_LAYERS = 14, 15
+
+
+def matmuls(probe, phase: str, rank: int = 0) -> dict[str, int]:
+    """dtypes -> calls of the matmuls rank `rank` ran in `phase`, per step."""
+    found: dict[str, int] = {}
+    for r in probe:
+        if r["phase"] == phase and r["kind"] == "matmul" and r["rank"] == rank:
+            found[r["dtypes"]] = found.get(r["dtypes"], 0) + r["count"]
+    return found
+
+
+def test_the_plan_converts_the_blocks_linear_layers_and_keeps_the_output_layer():
+    plan = float8.layer_plan(model_args("debug", 512), tp=1)
+    assert sum(why == "" for why in plan.values()) == CONVERTED and len(plan) == LINEAR_LAYERS
+    assert "softmax" in plan["output"]
+    # Under TP the shapes that count are each rank's: at tp 8 the 64 rows of wk and wv (2 KV heads
+    # of 32) are 8 per rank, which float8 cannot multiply; wq's 128 are 16.
+    split = float8.layer_plan(model_args("debug", 512), tp=8)
+    assert {name.split(".")[-1] for name, why in split.items() if "per-rank weight 8x128" in why} == {"wk", "wv"}
+    assert split["layers.0.attention.wq"] == ""
+    odd = float8.layer_plan(ModelArgs(dim=48, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, multiple_of=16), tp=1)
+    assert "multiple of 16" in odd["layers.0.attention.wk"]  # 24 x 48: one KV head of 24
+
+
+def test_a_model_no_layer_of_which_can_run_float8_is_refused():
+    args = ModelArgs(dim=24, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, multiple_of=8)
+    with pytest.raises(ConfigError, match="training.float8: no linear layer"):
+        float8.check_layers(args, parse_args([*TINY, *FLOAT8]))
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([*FLOAT8, "--parallelism.dp_backend", "simple_fsdp", "--parallelism.dp_shard", "2"], "simple_fsdp"),
+])
+def test_layouts_that_cannot_run_float8_refuse_to_start(argv, fragment):
+    with pytest.raises(ConfigError, match=f"training.float8: .*{fragment}"):
+        check_options(parse_args(argv), world=2)
+
+
+def test_without_torchao_float8_is_refused_naming_the_extra(monkeypatch):
+    monkeypatch.setattr(float8, "available", lambda: False)
+    with pytest.raises(ConfigError, match=r"training.float8: needs torchao.*plait\[float8\]"):
+        check_options(parse_args([*TINY, *FLOAT8]), world=1)
+
+
+PROBED = {  # name: (layout, precision, micro-batches per rank and step): every layout with a float8
+    # row, and the bf16 runs (data parallelism gives each rank one micro-batch of 2 sequences)
+    "single": ("single_f8", [], 2), "fsdp2": ("fsdp2_f8", [], 1), "ddp": ("ddp_f8", [], 1), "tp": ("tp_f8", [], 2),
+    "pp": ("pp_f8", [], 2), "fsdp2_tp": ("fsdp2_tp_f8", [], 1), "single_rowwise": ("single_f8_rowwise", [], 2),
+    "tp_rowwise": ("tp_f8_rowwise", [], 2), "single_bf16": ("single_f8", BF16, 2), "fsdp2_bf16": ("fsdp2_f8", BF16, 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PROBED)
+def test_converted_layers_multiply_in_float8_forward_and_backward(train_once, name):
+    """Per micro-batch, the 14 converted layers run one float8 matmul in forward (input and weight
+    e4m3) and two in backward (tensorwise: the output gradient in e5m2, its range; rowwise: all
+    e4m3), each with fp32 scales; the only other matmul is the output layer's, in the compute
+    dtype (forward once, backward twice); attention runs in the compute dtype. Rank 0 (each
+    stage of the pipeline)."""
+    layout, precision, micro = PROBED[name]
+    _, probe = layout_run(train_once, layout, precision)
+    compute = "bfloat16" if precision else "float32"
+    gradient = "float8_e4m3fn" if "rowwise" in layout else "float8_e5m2"
+    stages = 2 if layout.startswith("pp") else 1  # a stage holds half the blocks
+    for rank in range(stages):
+        forward, backward = matmuls(probe, "forward", rank), matmuls(probe, "backward", rank)
+        last = rank == stages - 1  # holds the output layer
+        assert forward == {"float32,float8_e4m3fn": micro * CONVERTED // stages,
+                           **({compute: micro} if last else {})}, (rank, forward)
+        assert backward == {f"float32,float8_e4m3fn{',' + gradient if gradient != 'float8_e4m3fn' else ''}":
+                            2 * micro * CONVERTED // stages, **({compute: 2 * micro} if last else {})}, (rank, backward)
+        assert {r["dtypes"] for r in probe if r["rank"] == rank and r["kind"] == "attention"} == {compute}
+    if not layout.startswith("tp") and "_tp" not in layout:  # under TP the op is DTensor's mm of float8 data
+        assert {r["op"] for r in probe if r["kind"] == "matmul" and "float8" in r["dtypes"]} == {"_scaled_mm"}
+
+
+@pytest.mark.slow
+def test_fsdp2_all_gathers_float8_weights_as_one_byte_elements_half_of_bf16(train_once):
+    """Measured from the profiler traces of the bf16 FSDP2 runs with and without float8: the
+    blocks' forward all-gathers carry 1-byte elements (uint8 views of the float8 weights and the
+    blocks' bf16 norm weights' bytes), about half the bf16 run's; the root unit (embedding and
+    output layer, not converted) is gathered in bf16 as before."""
+    world, args = LAYOUTS["fsdp2_f8"]
+    plain_args = [a for a in args if a not in FLOAT8]
+    rows = {}
+    for key, options in (("float8", (*STEPS, *args, *BF16)), ("bf16", (*STEPS, *plain_args, *BF16))):
+        train_once(world, *options)
+        rows[key] = {(r["phase"], r["kind"], r["dtype"]): r["bytes_per_step"]
+                     for r in summarise(train_once.traces[(world, options)], rank=0)}
+    f8, bf16 = rows["float8"], rows["bf16"]
+    root = f8["forward", "all_gather", "bfloat16"]  # embedding + output + final norm, in bf16
+    blocks_f8, blocks_bf16 = f8["forward", "all_gather", "uint8"], bf16["forward", "all_gather", "bfloat16"] - root
+    ratio = blocks_f8 / blocks_bf16
+    print(f"\nblocks' forward all-gather bytes: float8 {blocks_f8:.0f}, bf16 {blocks_bf16:.0f}, ratio {ratio:.4f}")
+    assert 0.5 <= ratio < 0.502, ratio  # the norm weights stay 2 bytes: 0.5 + their share
+    assert ("backward", "reduce_scatter", "float32") in f8  # gradients as before
+
+
+@pytest.mark.slow
+def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_under_bf16_and_back(tmp_path):
+    """FSDP2 float8 all-gather wraps the weights in a torchao class; the checkpoint holds the
+    plain fp32 tensors (loadable by the weights-only reader), so float8 resumes bitwise from
+    its own checkpoint and a run without float8 resumes from it (and float8 from that one)."""
+    world, args = LAYOUTS["fsdp2_f8"]
+    ck = ["--checkpoint.folder", str(tmp_path / "ck"), "--checkpoint.interval", "2", "--training.steps", "4"]
+    whole = losses(run_plait(tmp_path, *args, *ck, nproc=world)[0])
+    shutil.rmtree(tmp_path / "ck" / "step-4")
+    assert losses(run_plait(tmp_path, *args, *ck, nproc=world)[0]) == whole[2:]  # float8 from step 2
+    shutil.rmtree(tmp_path / "ck" / "step-4")
+    plain = run_plait(tmp_path, *degrees(1, 2), *ck, nproc=world)[0]  # the same weights, without float8
+    # Steps 3-4 of the same weights and batches in fp32: float8's rounding apart, measured 2e-4.
+    assert [row["step"] for row in plain] == [3, 4] and max(abs(a - b) for a, b in zip(losses(plain), whole[2:])) < 2e-3
+    back = run_plait(tmp_path, *args, *ck[:-1], "6", nproc=world)[0]  # float8 again, from step 4 without
+    assert [row["step"] for row in back] == [5, 6]
