@@ -110,17 +110,19 @@ def summary(args: ModelArgs, cfg: JobConfig, device: torch.device) -> str:
     excluded = "; ".join(f"{len(names)} not ({', '.join(names[:3])}{', ...' * (len(names) > 3)}: {why})"
                          for why, names in kinds.items())
     native, why = native_float8(device)
-    gather = "float8 all-gather of parameters" if fsdp_all_gather(cfg) else \
-        "parameters all-gathered in the compute dtype (float8 all-gather is tensorwise under fsdp2 only)"
+    p = cfg.parallelism
+    gather = "" if p.dp_shard * p.cp == 1 or p.dp_backend != "fsdp2" else \
+        " | float8 all-gather of parameters" if fsdp_all_gather(cfg) else \
+        " | parameters all-gathered in the compute dtype (float8 all-gather takes tensorwise scales)"
     return (f"float8 {cfg.training.float8}: {converted} of {len(plan)} linear layers run float8 matmuls"
-            f"{'; ' + excluded if excluded else ''} | {gather} | {'native' if native else 'emulated'}: {why}")
+            f"{'; ' + excluded if excluded else ''}{gather} | {'native' if native else 'emulated'}: {why}")
 
 
 def fsdp_all_gather(cfg: JobConfig) -> bool:
     """Whether FSDP2 all-gathers the float8 weights themselves (tensorwise scales only: a row-wise
     scale is per row of the whole matrix, which no shard knows before the gather)."""
     p = cfg.parallelism
-    return cfg.training.float8 == "tensorwise" and p.dp_backend == "fsdp2" and p.dp_shard > 1
+    return cfg.training.float8 == "tensorwise" and p.dp_backend == "fsdp2" and p.dp_shard * p.cp > 1
 
 
 def _torchao_float8():

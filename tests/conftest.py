@@ -128,6 +128,7 @@ LAYOUTS = {
     "single_f8": (1, [*FLOAT8, "--training.micro_batch_size", "2"]),
     "fsdp2_f8": (2, [*FLOAT8, *degrees(1, 2)]),
     "ddp_f8": (2, [*FLOAT8, *degrees(2, 1)]),
+    "classic_ddp_f8": (2, [*FLOAT8, "--parallelism.dp_backend", "ddp", *degrees(2, 1)]),
     "tp_f8": (2, [*FLOAT8, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "pp_f8": (2, [*FLOAT8, *PP2]),
     "fsdp2_tp_f8": (4, [*FLOAT8, *degrees(1, 2, tp=2)]),

@@ -3,11 +3,16 @@ float8 all-gather moves (profiler traces), checkpoints that stay fp32 master wei
 refusals. The parity rows are in test_parity (the shared runs of conftest.LAYOUTS)."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from conftest import BF16, FLOAT8, LAYOUTS, STEPS, TINY, degrees, layout_run, losses, run_plait
+from conftest import BF16, FLOAT8, LAYOUTS, ROOT, STEPS, TINY, degrees, layout_run, losses, run_plait
 from plait import float8
+from plait.checkpoint import load_full_state_dict
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.config import ConfigError
@@ -62,7 +67,8 @@ def test_without_torchao_float8_is_refused_naming_the_extra(monkeypatch):
 
 PROBED = {  # name: (layout, precision, micro-batches per rank and step): every layout with a float8
     # row, and the bf16 runs (data parallelism gives each rank one micro-batch of 2 sequences)
-    "single": ("single_f8", [], 2), "fsdp2": ("fsdp2_f8", [], 1), "ddp": ("ddp_f8", [], 1), "tp": ("tp_f8", [], 2),
+    "single": ("single_f8", [], 2), "fsdp2": ("fsdp2_f8", [], 1), "ddp": ("ddp_f8", [], 1),
+    "classic_ddp": ("classic_ddp_f8", [], 1), "tp": ("tp_f8", [], 2),
     "pp": ("pp_f8", [], 2), "fsdp2_tp": ("fsdp2_tp_f8", [], 1), "single_rowwise": ("single_f8_rowwise", [], 2),
     "tp_rowwise": ("tp_f8_rowwise", [], 2), "single_bf16": ("single_f8", BF16, 2), "fsdp2_bf16": ("fsdp2_f8", BF16, 1),
 }
@@ -131,3 +137,11 @@ def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_under_bf16_an
     assert [row["step"] for row in plain] == [3, 4] and max(abs(a - b) for a, b in zip(losses(plain), whole[2:])) < 2e-3
     back = run_plait(tmp_path, *args, *ck[:-1], "6", nproc=world)[0]  # float8 again, from step 4 without
     assert [row["step"] for row in back] == [5, 6]
+    # The Hugging Face export of a float8 checkpoint: its fp32 master weights, as of any run.
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "plait", "export", "--checkpoint", str(tmp_path / "ck" / "step-2"),
+                           "--out", str(out), "--dtype", "float32"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = load_file(out / "model.safetensors")
+    saved = load_full_state_dict(tmp_path / "ck" / "step-2", model_args("debug", 512), "checkpoint")
+    assert torch.equal(exported["model.layers.0.self_attn.v_proj.weight"], saved["layers.0.attention.wv.weight"])

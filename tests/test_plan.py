@@ -32,12 +32,14 @@ PARTLY = {
     "simple_ddp": {"state", "comm"}, "simple_ddp_tp": {"state", "comm"},
     # Classic DDP adds a 96-byte broadcast per step (its own bookkeeping) to what plan predicts.
     "classic_ddp": {"state", "activations"},
-    # torchao's float8 layers keep tensors of their own for backward (which ones depends on the
-    # recipe), which plan does not model; under TP their scales of sharded tensors add one fp32
-    # all-reduce per cast (the amax), which plan does not count either.
-    **{name: {"state", "comm"} for name in FLOAT8 if not name.startswith(("tp", "fsdp2_tp"))},
-    **{name: {"state"} for name in FLOAT8 if name.startswith(("tp", "fsdp2_tp"))},
-    "single_f8": {"state", "comm"}, "single_f8_rowwise": {"state", "comm"},
+    # Float8 layers keep what linear layers keep for backward (their input, in the compute dtype):
+    # plan is exact for them, except under FSDP2's float8 all-gather, where the probe measures
+    # 196,664 bytes less than plan (one block's float8 weights, 1 byte each, and 14 fp32 scales),
+    # which plan does not explain yet. Under TP, the scales of sharded tensors add one fp32
+    # all-reduce per cast (their amax), which plan does not count.
+    **{name: {"state", "activations"} for name in FLOAT8 if name.startswith(("tp", "fsdp2_tp")) and "rowwise" in name},
+    "tp_f8": {"state", "activations"}, "fsdp2_tp_f8": {"state"}, "fsdp2_f8": {"state", "comm"},
+    "classic_ddp_f8": {"state", "activations"},  # and classic DDP's broadcast, as for classic_ddp
 }
 # Classic DDP cannot cast parameters: its bf16 run is autocast, whose casts plan does not model.
 AUTOCAST_PARTS = {"state"}
