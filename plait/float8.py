@@ -18,19 +18,20 @@ uint8 views of the same bytes (`ByteAllGather`); the numbers are unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custom_all_gather's interface (no public path)
 
 from plait.config import ConfigError, JobConfig
 from plait.model import ModelArgs, Transformer
 
-RECIPES = ("tensorwise", "rowwise")
 # _scaled_mm multiplies float8 matrices whose dimensions are multiples of 16 (CUDA's kernels need
 # it; the CPU kernel accepts any shape, but a layer that could not run float8 on a GPU must not
 # run it here either, so a run means the same on both).
@@ -144,11 +145,7 @@ def _torchao_float8():
 @functools.cache
 def _recipe(recipe: str, all_gather: bool):
     config = _torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
-    if all_gather:
-        import dataclasses
-
-        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    return config
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=True) if all_gather else config
 
 
 def convert(model: nn.Module, cfg: JobConfig) -> None:
@@ -178,8 +175,6 @@ def slowdown(dtype: torch.dtype, shape: tuple[int, int, int], rounds: int = 3) -
     """How many times slower a linear layer's training step (forward, input and weight gradient)
     runs in float8 than in `dtype` at (tokens, in, out) on the CPU: the start-up warning's number
     where float8 is emulated. Best of `rounds` each, after one warm-up call."""
-    import time
-
     tokens, inp, out = shape
     x = torch.randn(tokens, inp, dtype=dtype, requires_grad=True)
     plain = nn.Sequential(nn.Linear(inp, out, bias=False, dtype=dtype))

@@ -122,10 +122,11 @@ def test_fsdp2_all_gathers_float8_weights_as_one_byte_elements_half_of_bf16(trai
 
 
 @pytest.mark.slow
-def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_under_bf16_and_back(tmp_path):
+def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_with_and_without_float8(tmp_path):
     """FSDP2 float8 all-gather wraps the weights in a torchao class; the checkpoint holds the
     plain fp32 tensors (loadable by the weights-only reader), so float8 resumes bitwise from
-    its own checkpoint and a run without float8 resumes from it (and float8 from that one)."""
+    its own checkpoint (loading plain tensors into torchao's wrappers, as it would from a bf16
+    run's checkpoint), a run without float8 resumes from it, and it exports as any checkpoint."""
     world, args = LAYOUTS["fsdp2_f8"]
     ck = ["--checkpoint.folder", str(tmp_path / "ck"), "--checkpoint.interval", "2", "--training.steps", "4"]
     whole = losses(run_plait(tmp_path, *args, *ck, nproc=world)[0])
@@ -133,10 +134,9 @@ def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_under_bf16_an
     assert losses(run_plait(tmp_path, *args, *ck, nproc=world)[0]) == whole[2:]  # float8 from step 2
     shutil.rmtree(tmp_path / "ck" / "step-4")
     plain = run_plait(tmp_path, *degrees(1, 2), *ck, nproc=world)[0]  # the same weights, without float8
-    # Steps 3-4 of the same weights and batches in fp32: float8's rounding apart, measured 2e-4.
+    # Steps 3-4 of the same weights and batches without float8: float8's rounding apart (1.7e-4
+    # between float8 and fp32 over 6 steps on one device).
     assert [row["step"] for row in plain] == [3, 4] and max(abs(a - b) for a, b in zip(losses(plain), whole[2:])) < 2e-3
-    back = run_plait(tmp_path, *args, *ck[:-1], "6", nproc=world)[0]  # float8 again, from step 4 without
-    assert [row["step"] for row in back] == [5, 6]
     # The Hugging Face export of a float8 checkpoint: its fp32 master weights, as of any run.
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "plait", "export", "--checkpoint", str(tmp_path / "ck" / "step-2"),

@@ -35,11 +35,15 @@ def op_kind(func) -> str | None:
     return ATEN_KINDS.get(name)
 
 
-def _storages(tree) -> dict[int, torch.UntypedStorage]:
-    """data_ptr -> storage of the tensors in `tree` (a DTensor's local tensor's)."""
+def _storages(tree, inner: bool = False) -> dict[int, torch.UntypedStorage]:
+    """data_ptr -> storage of the tensors in `tree` (a DTensor's local tensor's); with `inner`,
+    a wrapper subclass's are its inner tensors' (torchao's float8 tensors: FSDP2's float8
+    all-gather makes parameters of them)."""
     found = {}
     for t in tree_leaves(tree):
-        if isinstance(t, torch.Tensor):
+        if inner and is_traceable_wrapper_subclass(t):
+            found |= _storages([getattr(t, name) for name in t.__tensor_flatten__()[0]], inner)
+        elif isinstance(t, torch.Tensor):
             try:
                 storage = getattr(t, "_local_tensor", t).untyped_storage()
                 if storage.nbytes():
@@ -87,7 +91,7 @@ class SavedActivations:
 
     def measure(self) -> None:
         params = {ptr for m in self.model.modules() for p in m._parameters.values() if p is not None
-                  for ptr in _storages(p)}
+                  for ptr in _storages(p, inner=True)}
         self.alive = {ptr: ref for ptr, ref in self.alive.items() if not ref.expired()}
         total = sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
                     for ptr, ref in self.alive.items() if ptr not in params)
