@@ -120,8 +120,9 @@ def summary(args: ModelArgs, cfg: JobConfig, device: torch.device) -> str:
 
 
 def fsdp_all_gather(cfg: JobConfig) -> bool:
-    """Whether FSDP2 all-gathers the float8 weights themselves (tensorwise scales only: a row-wise
-    scale is per row of the whole matrix, which no shard knows before the gather)."""
+    """Whether FSDP2 all-gathers the float8 weights themselves: tensorwise only, as in torchao (the
+    row-wise recipe casts each weight along both axes, one per matmul, and a shard holds whole
+    rows but not whole columns)."""
     p = cfg.parallelism
     return cfg.training.float8 == "tensorwise" and p.dp_backend == "fsdp2" and p.dp_shard * p.cp > 1
 
@@ -174,8 +175,10 @@ class ByteAllGather(AllGather):
 def slowdown(dtype: torch.dtype, shape: tuple[int, int, int], rounds: int = 3) -> float:
     """How many times slower a linear layer's training step (forward, input and weight gradient)
     runs in float8 than in `dtype` at (tokens, in, out) on the CPU: the start-up warning's number
-    where float8 is emulated. Best of `rounds` each, after one warm-up call."""
+    where float8 is emulated. Best of `rounds` each, after one warm-up call, on at most 256 tokens
+    (a second or two even where `dtype` is an emulated bf16)."""
     tokens, inp, out = shape
+    tokens = min(tokens, 256)
     x = torch.randn(tokens, inp, dtype=dtype, requires_grad=True)
     plain = nn.Sequential(nn.Linear(inp, out, bias=False, dtype=dtype))
     converted = nn.Sequential(nn.Linear(inp, out, bias=False, dtype=dtype))
