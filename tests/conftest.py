@@ -124,7 +124,8 @@ LAYOUTS = {
     "cp_fsdp2_tp": (8, [*CP2, *degrees(1, 2, tp=2)]),
     # Float8 (the blocks' linear layers), against the single device with the same recipe:
     # tensorwise in every layout that shards or reorders what its scales are taken over, rowwise
-    # where sharding meets its per-row scales (FSDP2 gathers it in the compute dtype, TP splits rows).
+    # where sharding meets its per-row scales (FSDP2 gathers it in the compute dtype, TP splits
+    # rows; FSDP2+TP2 rowwise measured what TP2 rowwise does, 7.3e-5, and is left out).
     "single_f8": (1, [*FLOAT8, "--training.micro_batch_size", "2"]),
     "fsdp2_f8": (2, [*FLOAT8, *degrees(1, 2)]),
     "ddp_f8": (2, [*FLOAT8, *degrees(2, 1)]),
@@ -135,7 +136,6 @@ LAYOUTS = {
     "single_f8_rowwise": (1, [*ROWWISE, "--training.micro_batch_size", "2"]),
     "fsdp2_f8_rowwise": (2, [*ROWWISE, *degrees(1, 2)]),
     "tp_f8_rowwise": (2, [*ROWWISE, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
-    "fsdp2_tp_f8_rowwise": (4, [*ROWWISE, *degrees(1, 2, tp=2)]),
 }
 
 
