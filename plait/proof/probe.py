@@ -66,8 +66,9 @@ def stored_dtypes(tree) -> set[str]:
     return found
 
 
-def float8_wrapper(tree):
-    """The class of a non-DTensor wrapper subclass in `tree` (torchao's float8 tensors), if any."""
+def wrapper_class(tree):
+    """The class of a non-DTensor wrapper subclass in `tree`, if any: torchao's float8 tensors (and
+    functional collectives' async results, which wait, then run the op on what they hold)."""
     return next((type(t) for t in tree_leaves(tree) if is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor)),
                 None)
 
@@ -110,9 +111,9 @@ class DtypeProbe(TorchDispatchMode):
         self.measured = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if wrapper := float8_wrapper((args, kwargs)):
-            # A float8 tensor's op is the subclass's own code, which runs the real ops (its casts and
-            # `_scaled_mm`): run it with the probe on, so those are what the probe records.
+        if wrapper := wrapper_class((args, kwargs)):
+            # Such a tensor's op is the subclass's own code, which runs the real ops (a float8 tensor's
+            # casts and `_scaled_mm`): run it with the probe on, so those are what the probe records.
             with self:
                 return wrapper.__torch_dispatch__(func, types, args, kwargs or {})
         phase = self.contexts.phase
