@@ -35,34 +35,30 @@ def op_kind(func) -> str | None:
     return ATEN_KINDS.get(name)
 
 
-def _storages(tree, inner: bool = False) -> dict[int, torch.UntypedStorage]:
-    """data_ptr -> storage of the tensors in `tree` (a DTensor's local tensor's); with `inner`,
-    a wrapper subclass's are its inner tensors' (torchao's float8 tensors: FSDP2's float8
-    all-gather makes parameters of them)."""
+def inner_tensors(tree) -> list[torch.Tensor]:
+    """The plain tensors that hold the data of the tensors in `tree`: a wrapper subclass (a
+    DTensor, torchao's float8 tensors) by its inner tensors (a float8 payload and its fp32 scale),
+    not by the dtype it presents."""
+    found = []
+    for t in tree_leaves(tree):
+        if is_traceable_wrapper_subclass(t):
+            found += inner_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        elif isinstance(t, torch.Tensor):
+            found.append(t)
+    return found
+
+
+def _storages(tree) -> dict[int, torch.UntypedStorage]:
+    """data_ptr -> storage of the tensors in `tree` (a DTensor's local tensor's)."""
     found = {}
     for t in tree_leaves(tree):
-        if inner and is_traceable_wrapper_subclass(t):
-            found |= _storages([getattr(t, name) for name in t.__tensor_flatten__()[0]], inner)
-        elif isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor):
             try:
                 storage = getattr(t, "_local_tensor", t).untyped_storage()
                 if storage.nbytes():
                     found[storage.data_ptr()] = storage
             except RuntimeError:  # a wrapper without storage of its own (e.g. an async collective's)
                 continue
-    return found
-
-
-def stored_dtypes(tree) -> set[str]:
-    """The dtypes of the floating-point data the tensors in `tree` really hold: a wrapper subclass
-    (a DTensor, torchao's float8 tensors) by its inner tensors (a float8 payload and its fp32
-    scale), not by the dtype it presents."""
-    found = set()
-    for t in tree_leaves(tree):
-        if is_traceable_wrapper_subclass(t):
-            found |= stored_dtypes([getattr(t, name) for name in t.__tensor_flatten__()[0]])
-        elif isinstance(t, torch.Tensor) and t.is_floating_point():
-            found.add(str(t.dtype).removeprefix("torch."))
     return found
 
 
@@ -91,8 +87,9 @@ class SavedActivations:
                 self.alive[ptr] = StorageWeakRef(storage)
 
     def measure(self) -> None:
+        # (A parameter by its inner tensors: FSDP2's float8 all-gather makes torchao tensors of them.)
         params = {ptr for m in self.model.modules() for p in m._parameters.values() if p is not None
-                  for ptr in _storages(p, inner=True)}
+                  for ptr in _storages(inner_tensors(p))}
         self.alive = {ptr: ref for ptr, ref in self.alive.items() if not ref.expired()}
         total = sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
                     for ptr, ref in self.alive.items() if ptr not in params)
@@ -120,7 +117,8 @@ class DtypeProbe(TorchDispatchMode):
         kind = op_kind(func)
         if kind:
             # (Under TP a float8 matmul arrives as a DTensor op: recorded by its float8 payload.)
-            dtypes = sorted(stored_dtypes((args, kwargs)))
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in inner_tensors((args, kwargs))
+                             if t.is_floating_point()})
             self.counts[(phase, kind, func._opname, ",".join(dtypes))] += 1
         if phase == "backward" and not self.measured:
             # The step's first backward: every forward before it (one micro-batch, or a pipeline's
