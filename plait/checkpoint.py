@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from plait import digests, float8, hf, safe_dcp
 from plait.digests import damaged, verify
 from plait.config import ConfigError, JobConfig
+from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.tokenizer import TOKENIZER
 from plait.model import ModelArgs, Transformer
 from plait.weights import fill_weights, init_weights
@@ -218,6 +219,7 @@ class Checkpointer:
         self.root = Path(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
         if self.root is not None and dist.get_rank() == 0:
             claim_folder(self.root, identity)  # start-up checked that no other job owns it
+        self.companions: dict[str, str] = {}  # rank 0: files of the start folder every checkpoint keeps
         self.pending = None  # (future, folder, manifest) of an asynchronous save in flight
         self.saved_step = None  # the step this run last saved (or resumed): saving it again is a no-op
         self.staging = None  # completes when the save in flight has copied the state it writes
@@ -248,6 +250,8 @@ class Checkpointer:
             return 0
         folder, manifest, resume = choice
         folder = Path(folder)
+        if dist.get_rank() == 0:
+            self.companions = hf_tokenizer.companions(folder, self.tokenizer)
         if not resume:
             if manifest is None:  # a Hugging Face folder
                 state = hf.HFWeights(folder, self.args, "checkpoint.load")
@@ -363,6 +367,7 @@ class Checkpointer:
             upload.result()
         if dist.get_rank() == 0:
             self.tokenizer.save(str(folder / TOKENIZER))
+            hf_tokenizer.write_companions(self.companions, folder)
         return digests.collect(folder, dist.get_rank(), dist.get_world_size(), self.cfg.comm.timeout_seconds)
 
     def wait_for_staging(self) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Literal
 
 
-Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b"]
-ModelFlavor = Literal["auto", "debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b"]
+Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b", "debug_qwen3", "debug_qwen2",
+                 "debug_olmo2", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b"]
+ModelFlavor = Literal["auto", Flavor]
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -30,8 +31,10 @@ class ConfigError(ValueError):
 @dataclass
 class Model:
     flavor: ModelFlavor = "auto"
-    """model size: debug (tiny), small (~90M, CPU benchmarks) or a real Llama 3 shape; auto: the
-    config.json of a Hugging Face folder given as --checkpoint.load, else debug"""
+    """model size: debug (tiny), small (~90M, CPU benchmarks), a real Llama 3 shape, a relative's small
+    size (qwen3_0_6b, qwen2_5_0_5b, mistral_7b, olmo2_1b, smollm3_3b) or debug's shape with a relative's
+    switches (debug_qwen3, debug_qwen2, debug_olmo2); auto: the config.json of a Hugging Face folder given
+    as --checkpoint.load, else debug"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
     tie_embeddings: bool = False

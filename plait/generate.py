@@ -1,4 +1,4 @@
-"""`plait generate`: text from a plait checkpoint or a Hugging Face Llama folder.
+"""`plait generate`: text from a plait checkpoint or a Hugging Face folder (Llama or a relative).
 
 Sampling as transformers does it (temperature, then nucleus/top-p; temperature 0 = greedy),
 one token at a time with a KV cache: the prompt is run once, then each new token attends to
@@ -30,7 +30,8 @@ from plait.weights import fill_weights
 @dataclass
 class GenerateArgs:
     checkpoint: str
-    """a plait checkpoint (seed or training) or a Hugging Face Llama folder"""
+    """a plait checkpoint (seed or training) or a Hugging Face folder (Llama, Mistral, Qwen2/2.5, Qwen3, OLMo 2,
+    SmolLM3)"""
     prompt: str
     """the text to continue; "" samples a text from nothing (from the end-of-text token)"""
     max_new_tokens: int = 64
@@ -115,6 +116,7 @@ def main(argv: list[str]) -> int:
     # An empty prompt (with a tokenizer that adds no start token) samples the model unconditionally:
     # from the end-of-text token, after which every document of training began.
     prompt = tokenizer.encode(opts.prompt).ids or [eos]
+    hf.check_window(model.args, len(prompt) + opts.max_new_tokens, "max_new_tokens", Path(opts.checkpoint))
     if len(prompt) + opts.max_new_tokens > model.args.max_seq_len:
         raise ConfigError(f"max_new_tokens: the prompt's {len(prompt)} tokens + {opts.max_new_tokens} exceed the "
                           f"model's {model.args.max_seq_len} positions")

@@ -1,5 +1,10 @@
-"""Llama 3 in plain PyTorch: RMSNorm, RoPE (with llama3/linear scaling), grouped-query attention,
-SwiGLU, an optionally tied output layer, and a KV cache for generation.
+"""Llama 3 and its close relatives in plain PyTorch: RMSNorm, RoPE (with llama3/linear scaling),
+grouped-query attention, SwiGLU, an optionally tied output layer, and a KV cache for generation.
+
+The relatives differ from Llama by a few switches of one model, not by copies of it: biases
+(Qwen2's q/k/v, Llama's and OLMo 2's `attention_bias`, `mlp_bias`), RMSNorm on queries and keys
+(per head as Qwen3, over the whole projection as OLMo 2), norms after each sub-layer instead of
+before it (OLMo 2) and blocks without RoPE (SmolLM3).
 
 No parallelism lives here; plait/parallel applies it from outside. Parameter names follow
 Meta's reference (tok_embeddings, layers.N.attention.wq, ..., output) so plans and checkpoints
@@ -38,8 +43,20 @@ class ModelArgs:
     # None, or {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
     # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     rope_scaling: dict | None = None
+    family: str = "llama"  # the Hugging Face model_type it is exported as
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    out_bias: bool = False  # a bias on the attention's output projection (with qkv_bias: attention_bias)
+    ffn_bias: bool = False  # biases on the SwiGLU's three projections (mlp_bias)
+    qk_norm: str = "none"  # RMSNorm of queries and keys before RoPE: "head" (Qwen3), "projection" (OLMo 2)
+    post_norm: bool = False  # norm each sub-layer's output before the residual add (OLMo 2), not its input
+    nope_layers: tuple[int, ...] = ()  # blocks whose attention uses no RoPE (SmolLM3: every fourth)
+    # Mistral's window of keys per query. plait computes attention over the whole sequence, which
+    # is the same model while sequences are no longer than the window; 0 = none.
+    sliding_window: int = 0
 
     def __post_init__(self):
+        # (a manifest's JSON gives a list back)
+        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
         # Settled once, so a checkpoint's manifest records every number of the shape.
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
@@ -60,6 +77,28 @@ FLAVORS = {
     # from the tokenizer: a model that fills a GPU where small would not.
     "llama3_1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=0,
                            multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000.0),
+    # Tiny relatives for CPU tests: debug's shape with each family's switches.
+    "debug_qwen3": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                             head_dim=64, qk_norm="head", family="qwen3"),
+    "debug_qwen2": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                             qkv_bias=True, family="qwen2"),
+    "debug_olmo2": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                             qk_norm="projection", post_norm=True, family="olmo2"),
+    # Each family's small size (config.json of the published checkpoint), for benchmarks and plan.
+    "qwen3_0_6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, vocab_size=151936, head_dim=128,
+                            ffn_hidden=3072, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                            tie_embeddings=True, qk_norm="head", family="qwen3"),
+    "qwen2_5_0_5b": ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, vocab_size=151936, ffn_hidden=4864,
+                              norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True,
+                              qkv_bias=True, family="qwen2"),
+    "mistral_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32768, ffn_hidden=14336,
+                            rope_theta=1000000.0, max_seq_len=32768, family="mistral"),
+    "olmo2_1b": ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=100352, ffn_hidden=8192,
+                          norm_eps=1e-6, rope_theta=500000.0, max_seq_len=4096, qk_norm="projection", post_norm=True,
+                          family="olmo2"),
+    "smollm3_3b": ModelArgs(dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, vocab_size=128256, ffn_hidden=11008,
+                            norm_eps=1e-6, rope_theta=5000000.0, max_seq_len=65536, tie_embeddings=True,
+                            nope_layers=tuple(range(3, 36, 4)), family="smollm3"),
     "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                            multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
     "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
@@ -90,6 +129,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class ProjectionNorm(RMSNorm):
+    """RMSNorm over a whole query or key projection (OLMo 2), written out as transformers does:
+    under tensor parallelism that dimension is split over ranks, where DTensor has no rms_norm,
+    but its mean becomes a partial sum that one small all-reduce completes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).type_as(x)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -186,22 +235,32 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, rope: bool = True):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
+        self.qk_norm, self.rope = args.qk_norm, rope
+        if args.qk_norm == "head":  # one weight of head_dim, shared by every head
+            self.q_norm, self.k_norm = RMSNorm(args.head_dim, args.norm_eps), RMSNorm(args.head_dim, args.norm_eps)
+        elif args.qk_norm == "projection":  # a weight per entry of the projection (split with the heads under TP)
+            self.q_proj_norm = ProjectionNorm(args.n_heads * args.head_dim, args.norm_eps)
+            self.k_proj_norm = ProjectionNorm(args.n_kv_heads * args.head_dim, args.norm_eps)
         self.core = ScaledDotProduct()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice of heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_proj_norm(q), self.k_proj_norm(k)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to every earlier position's keys and values too
             k, v = cache.extend(self, k, v)
             # Causal within the new positions; every cached one lies before them all.
@@ -230,24 +289,28 @@ class KVCache:
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=args.ffn_bias)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=args.ffn_bias)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=args.ffn_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int):
         super().__init__()
+        self.post_norm = args.post_norm
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, rope=index not in args.nope_layers)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         # (mask and cache by keyword: tensor parallelism's input plan covers the positional inputs)
+        if self.post_norm:
+            x = x + self.attention_norm(self.attention(x, rope, mask=mask, cache=cache))
+            return x + self.ffn_norm(self.feed_forward(x))
         x = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -272,7 +335,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keeps FQNs stable ("layers.3") when pipeline stages drop some layers.
         # Stages also drop the embedding (all but the first) and norm + output (all but the last).
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = TiedOutput(self.tok_embeddings) if args.tie_embeddings else \
             nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -303,13 +366,16 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)) if self.output is not None else x
 
     def init_std(self, name: str) -> float | None:
-        """Init scale of parameter `name`: None = ones (norms), else a truncated normal's std.
+        """Init scale of parameter `name`: None = ones (norms), 0 = zeros (biases), else a
+        truncated normal's std.
 
         Residual-branch outputs (wo, w2) shrink with depth as in torchtitan, so the residual
         stream keeps its scale at init however deep the model is.
         """
         if name.endswith("norm.weight"):
             return None
+        if name.endswith(".bias"):
+            return 0.0
         if name == "tok_embeddings.weight":  # tied, it is the output layer's too: that scale
             return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
         if name == "output.weight":
@@ -328,6 +394,8 @@ def initial_value(model: Transformer, name: str, shape: torch.Size, seed: int) -
     std = model.init_std(name)
     if std is None:
         return torch.ones(shape)
+    if std == 0:
+        return torch.zeros(shape)
     key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
     value = torch.empty(shape)
     return nn.init.trunc_normal_(value, std=std, a=-3 * std, b=3 * std, generator=torch.Generator().manual_seed(key))

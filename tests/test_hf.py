@@ -190,9 +190,22 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
     assert one_line(*train, str(yarn)) == (
         f"plait: error: checkpoint.load: {yarn / 'config.json'}: RoPE scaling 'yarn' is not supported; plait "
         "implements default, linear, llama3")
-    mistral = variant("mistral", model_type="mistral")
-    assert one_line(*train, str(mistral)).startswith(
-        f"plait: error: checkpoint.load: {mistral / 'config.json'} holds a model_type 'mistral' model; plait reads Llama")
+    gemma = variant("gemma", model_type="gemma2")
+    assert one_line(*train, str(gemma)) == (
+        f"plait: error: checkpoint.load: {gemma / 'config.json'} holds a model_type 'gemma2' model; plait reads llama, "
+        "mistral, qwen2, qwen3, olmo2, smollm3")
+    # A field of a family plait reads that changes what the model computes in a way plait does not.
+    capped = variant("capped", model_type="qwen3", final_logit_softcapping=30.0)
+    assert one_line(*train, str(capped)) == (
+        f"plait: error: checkpoint.load: {capped / 'config.json'} sets final_logit_softcapping (logit soft-capping), "
+        "which plait does not compute; allowed: unset, null or false")
+    moe = variant("moe", model_type="qwen2", num_experts=8)
+    assert "sets num_experts (mixture of experts)" in one_line(*train, str(moe))
+    # Mistral's sliding window: the same model while sequences fit in it, refused beyond.
+    window = variant("window", model_type="mistral", sliding_window=32)
+    assert one_line(*train, str(window), "--data.vocab_size", "300") == (
+        f"plait: error: training.seq_len: 64 tokens, but {window} attends within a sliding_window of 32, which plait "
+        "does not compute; allowed: at most 32")
     missing = variant("missing", sharded=True)
     shard = sorted(missing.glob("model-*.safetensors"))[-1]
     shard.unlink()

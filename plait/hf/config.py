@@ -1,4 +1,5 @@
-"""A Hugging Face Llama `config.json` <-> plait's ModelArgs.
+"""A Hugging Face `config.json` (Llama and its relatives: Mistral, Qwen2/2.5, Qwen3, OLMo 2,
+SmolLM3) <-> plait's ModelArgs.
 
 Both layouts of the RoPE fields are read: the classic `rope_theta` + `rope_scaling`, and the
 `rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
@@ -49,15 +50,42 @@ def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
     return theta, {"rope_type": kind, **{f: scaling[f] for f in ROPE_FIELDS[kind]}}
 
 
+# model_type -> the architecture transformers builds for it. Each is Llama with switches.
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+# Fields that change what a model computes in ways plait does not: present and set, refused by name.
+UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "attention soft-capping",
+               "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
+               "n_routed_experts": "mixture of experts", "use_sliding_window": "sliding-window attention"}
+
+
+def family_switches(config: dict, family: str) -> dict:
+    """The ModelArgs switches a family's config.json sets."""
+    attention_bias = bool(config.get("attention_bias"))
+    switches = {"qkv_bias": attention_bias, "out_bias": attention_bias, "ffn_bias": bool(config.get("mlp_bias"))}
+    if family == "qwen2":  # biases on q, k and v always, none on the output projection
+        switches |= {"qkv_bias": True, "out_bias": False}
+    if family == "qwen3":
+        switches["qk_norm"] = "head"
+    if family == "olmo2":
+        switches |= {"qk_norm": "projection", "post_norm": True}
+    if family == "smollm3" and config.get("no_rope_layers"):  # 1 = this block uses RoPE
+        switches["nope_layers"] = tuple(i for i, rope in enumerate(config["no_rope_layers"]) if not rope)
+    if family == "mistral" and config.get("sliding_window"):
+        switches["sliding_window"] = int(config["sliding_window"])
+    return switches
+
+
 def model_args(folder: Path, option: str) -> ModelArgs:
-    """The model a Hugging Face Llama folder holds, from its config.json."""
+    """The model a Hugging Face folder holds, from its config.json."""
     config, where = read_config(folder, option), f"{option}: {folder / 'config.json'}"
-    if config.get("model_type") != "llama":
-        raise ConfigError(f"{where} holds a model_type {config.get('model_type')!r} model; plait reads Llama "
-                          "(model_type 'llama': Llama 2/3, SmolLM2, TinyLlama and others of that architecture)")
-    for field in ("attention_bias", "mlp_bias"):
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise ConfigError(f"{where} holds a model_type {family!r} model; plait reads {', '.join(FAMILIES)}")
+    for field, what in UNSUPPORTED.items():
         if config.get(field):
-            raise ConfigError(f"{where} sets {field}: plait's Llama has no biases; allowed: false")
+            raise ConfigError(f"{where} sets {field} ({what}), which plait does not compute; allowed: unset, "
+                              "null or false")
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where} sets hidden_act {config['hidden_act']!r}; allowed: 'silu'")
     theta, scaling = rope_settings(config, where)
@@ -69,22 +97,37 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                          head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
                          norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                          max_seq_len=config.get("max_position_embeddings", 2048),
-                         tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+                         tie_embeddings=bool(config.get("tie_word_embeddings", False)), family=family,
+                         **family_switches(config, family))
     except KeyError as e:
         raise ConfigError(f"{where} lacks {e.args[0]}") from None
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict:
-    """config.json of `args` in the classic layout, which transformers 4 and 5 both read."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,
+              source: dict | None = None) -> dict:
+    """config.json of `args` in the classic layout, which transformers 4 and 5 both read: the
+    fields of the source folder's config.json (`source`, when the run started from one; its
+    special token ids too) with every field plait computes written over them."""
+    if args.qkv_bias != args.out_bias and args.family != "qwen2":
+        raise ConfigError(f"checkpoint: a {args.family} config.json has one attention_bias for q/k/v and the output "
+                          "projection; this model has biases on only some")
+    computed = {
+        "architectures": [FAMILIES[args.family]], "model_type": args.family, "hidden_act": "silu",
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
         "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": str(dtype).removeprefix("torch."),
+        "tie_word_embeddings": args.tie_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if args.family != "qwen2":
+        computed |= {"attention_bias": args.qkv_bias, "mlp_bias": args.ffn_bias}
+    if args.family == "smollm3":
+        computed["no_rope_layers"] = [int(i not in args.nope_layers) for i in range(args.n_layers)]
+    if args.family == "mistral":
+        computed["sliding_window"] = args.sliding_window or None
+    # transformers 5 writes rope_parameters and dtype; the source's would contradict the fields above.
+    kept = {k: v for k, v in (source or {}).items() if k not in ("rope_parameters", "dtype")}
+    return {"bos_token_id": bos_id, "eos_token_id": eos_id, **kept, **computed}  # the source's special ids win
 
 
 # How a shape was written down (FFN rounding) and how many positions it is used for change
@@ -98,6 +141,13 @@ def describe_difference(theirs: ModelArgs, ours: ModelArgs) -> str:
     return ", ".join(f"{k} {a[k]} vs {b[k]}" for k in b if a[k] != b[k] and k not in NOTATION)
 
 
+def check_window(args: ModelArgs, length: int, option: str, folder: Path) -> None:
+    """Refuse sequences longer than a sliding window: plait attends over the whole sequence."""
+    if args.sliding_window and length > args.sliding_window:
+        raise ConfigError(f"{option}: {length} tokens, but {folder} attends within a sliding_window of "
+                          f"{args.sliding_window}, which plait does not compute; allowed: at most {args.sliding_window}")
+
+
 def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     """The run's model: the config.json of a Hugging Face folder given as checkpoint.load (a
     model.flavor or model.n_layers given as well must agree with it), else model.flavor's shape."""
@@ -107,7 +157,7 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     folder = hf_folder(cfg)
     if folder is None:
         args = flavor_args(cfg.model.flavor.replace("auto", "debug"), tokenizer_vocab, cfg.model.n_layers)
-        return replace(args, tie_embeddings=cfg.model.tie_embeddings)
+        return replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings)
     args = model_args(folder, "checkpoint.load")
     if cfg.model.tie_embeddings and not args.tie_embeddings:
         raise ConfigError(f"model.tie_embeddings: {folder} has an output layer of its own (tie_word_embeddings false)")
@@ -121,6 +171,7 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     if cfg.model.n_layers not in (0, args.n_layers):
         raise ConfigError(f"model.n_layers: {cfg.model.n_layers}, but {folder} has {args.n_layers} blocks; allowed: "
                           f"0 or {args.n_layers}")
+    check_window(args, cfg.training.seq_len, "training.seq_len", folder)
     if tokenizer_vocab > args.vocab_size:
         raise ConfigError(f"data.tokenizer: has {tokenizer_vocab} tokens, more than the {args.vocab_size} embeddings "
                           f"of {folder}: token ids past {args.vocab_size - 1} would have no embedding; use the "

@@ -1,5 +1,5 @@
-"""`plait export`: a plait checkpoint -> a Hugging Face Llama folder that transformers loads as is
-(config.json, safetensors weights, tokenizer, generation defaults)."""
+"""`plait export`: a plait checkpoint -> a Hugging Face folder that transformers loads as is
+(config.json, safetensors weights, tokenizer, generation defaults), of the model's own family."""
 
 from __future__ import annotations
 
@@ -31,10 +31,14 @@ def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: 
         if tokenizer.get_vocab_size() > args.vocab_size:
             raise ConfigError(f"checkpoint: {folder}'s tokenizer has {tokenizer.get_vocab_size()} tokens, more than "
                               f"the model's {args.vocab_size} embeddings")
+    source = folder / hf_tokenizer.SOURCE_CONFIG  # the config.json of the folder the run started from
+    config = hf_config(args, dtype, *(hf_tokenizer.special_ids(tokenizer) if tokenizer is not None else (None, None)),
+                       source=json.loads(source.read_text()) if source.is_file() else None)
     files = write_weights(state, args, out, dtype, shard_bytes)
-    bos, eos = hf_tokenizer.special_ids(tokenizer) if tokenizer is not None else (None, None)
-    (out / "config.json").write_text(json.dumps(hf_config(args, dtype, bos, eos), indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is None:  # checkpoints written before plait kept their tokenizer
         return f"{len(files)} weight file(s), no tokenizer ({folder} holds none: copy the run's tokenizer.json in)"
     hf_tokenizer.write(tokenizer, out, args.max_seq_len)
-    return f"{len(files)} weight file(s) and the tokenizer"
+    kept = [name for name in hf_tokenizer.COMPANIONS if (folder / name).is_file()]
+    hf_tokenizer.write_companions({name: (folder / name).read_text() for name in kept}, out)
+    return f"{len(files)} weight file(s) and the tokenizer" + (f" (with the start folder's {', '.join(kept)})" * bool(kept))

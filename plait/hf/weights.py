@@ -1,18 +1,25 @@
-"""Hugging Face Llama weights: plait names and RoPE order <-> transformers', safetensors in and out.
+"""Hugging Face weights (Llama and its relatives): plait names and RoPE order <-> transformers',
+safetensors in and out.
 
 Parameter names (plait -> Hugging Face):
-    tok_embeddings.weight                  -> model.embed_tokens.weight
-    layers.N.attention.w{q,k,v,o}.weight   -> model.layers.N.self_attn.{q,k,v,o}_proj.weight
-    layers.N.feed_forward.w1/w3/w2.weight  -> model.layers.N.mlp.gate_proj/up_proj/down_proj.weight
-    layers.N.attention_norm.weight         -> model.layers.N.input_layernorm.weight
-    layers.N.ffn_norm.weight               -> model.layers.N.post_attention_layernorm.weight
-    norm.weight                            -> model.norm.weight
-    output.weight                          -> lm_head.weight
+    tok_embeddings.weight                   -> model.embed_tokens.weight
+    layers.N.attention.w{q,k,v,o}.{weight,bias} -> model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}
+    layers.N.attention.{q,k}_norm.weight    -> model.layers.N.self_attn.{q,k}_norm.weight (per head)
+    layers.N.attention.{q,k}_proj_norm.weight -> model.layers.N.self_attn.{q,k}_norm.weight (whole projection)
+    layers.N.feed_forward.w1/w3/w2.{weight,bias} -> model.layers.N.mlp.gate_proj/up_proj/down_proj.{...}
+    layers.N.attention_norm.weight          -> model.layers.N.input_layernorm.weight
+                                               (post_norm: post_attention_layernorm.weight)
+    layers.N.ffn_norm.weight                -> model.layers.N.post_attention_layernorm.weight
+                                               (post_norm: post_feedforward_layernorm.weight)
+    norm.weight                             -> model.norm.weight
+    output.weight                           -> lm_head.weight
 
 RoPE layout: plait (like Meta's reference) rotates interleaved pairs (x0, x1), (x2, x3), ...
 of each head; Hugging Face rotates the two halves (x_i, x_{i+d/2}). The rotation is the same
-once each head's rows of wq and wk are reordered: plait row 2i -> HF row i, plait row 2i+1 ->
-HF row i + d/2 (`to_hf_rope_order`; `from_hf_rope_order` is its inverse).
+once each head's entries of the query and key projections are reordered: plait entry 2i -> HF
+entry i, plait 2i+1 -> HF i + d/2 (`to_hf_rope_order`; `from_hf_rope_order` is its inverse),
+in wq and wk's rows, their biases and the q/k norms' weights alike. (Blocks without RoPE are
+reordered too: q and k permuted alike leave every q.k, so the model, unchanged.)
 """
 
 from __future__ import annotations
@@ -32,16 +39,15 @@ from plait.hf.config import model_args as hf_model_args
 from plait.model import ModelArgs
 
 LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
+    "attention.q_proj_norm": "self_attn.q_norm", "attention.k_proj_norm": "self_attn.k_norm",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
 }
+BLOCK_NORMS = {False: {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+               True: {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"}}
+ROPE_ORDERED = ("wq.weight", "wk.weight", "wq.bias", "wk.bias", "q_norm.weight", "k_norm.weight", "q_proj_norm.weight",
+                "k_proj_norm.weight")
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -49,11 +55,12 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, args: ModelArgs) -> str:
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     index, rest = LAYER.match(name).groups()
-    return f"model.layers.{index}.{LAYER_NAMES[rest]}"
+    module, kind = rest.rsplit(".", 1)
+    return f"model.layers.{index}.{(LAYER_NAMES | BLOCK_NORMS[args.post_norm])[module]}.{kind}"
 
 
 def to_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -74,9 +81,9 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
     the folders transformers writes.)"""
     tensors = {}
     for name, tensor in state_dict.items():
-        if name.endswith(("wq.weight", "wk.weight")):
+        if name.endswith(ROPE_ORDERED):
             tensor = to_hf_rope_order(tensor, args.head_dim)
-        tensors[hf_name(name)] = tensor.to(dtype).contiguous()
+        tensors[hf_name(name, args)] = tensor.to(dtype).contiguous()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0  # of the last shard
     for name, tensor in tensors.items():
@@ -126,7 +133,7 @@ def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     if differ:
         raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
-    missing = [hf_name(n) for n in parameter_names(args) if hf_name(n) not in present]
+    missing = [hf_name(n, args) for n in parameter_names(args) if hf_name(n, args) not in present]
     if missing:
         raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     return present
@@ -141,7 +148,7 @@ def parameter_names(args: ModelArgs) -> list[str]:
 
 
 class HFWeights(Mapping):
-    """A Hugging Face Llama folder's weights as a plait state dict (fp32, plait names and RoPE
+    """A Hugging Face folder's weights as a plait state dict (fp32, plait names and RoPE
     order), checked against `args` up front and read one tensor at a time, memory-mapped, when
     asked for: a rank holds one full tensor at a time while it cuts its shard, never the model."""
 
@@ -149,9 +156,9 @@ class HFWeights(Mapping):
         self.args, self.names, self.files = args, parameter_names(args), check(folder, args, option)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.files[hf_name(name)]), "pt") as weights:
-            tensor = weights.get_tensor(hf_name(name)).float()
-        if name.endswith(("wq.weight", "wk.weight")):
+        with safe_open(str(self.files[hf_name(name, self.args)]), "pt") as weights:
+            tensor = weights.get_tensor(hf_name(name, self.args)).float()
+        if name.endswith(ROPE_ORDERED):
             tensor = from_hf_rope_order(tensor, self.args.head_dim)
         return tensor
 

@@ -5,15 +5,21 @@ slice of the FFN hidden units), wo and w2 row-wise, so each block needs one all-
 reduce-scatter per sub-layer. With sequence parallelism the norms and the residual stream are
 split along the sequence between those points, so no rank holds the full activations. With loss
 parallelism the logits stay split over the vocabulary and cross-entropy is computed on shards.
+
+The switches of Llama's relatives follow their weights: q/k/v and w1/w3 biases split with their
+columns, wo and w2 biases are added once after the reduction; a per-head q/k norm (one weight
+shared by every head) is replicated and normalises the rank's heads; a q/k norm over the whole
+projection splits its weight with the heads and completes its mean with one all-reduce.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from plait.config import ConfigError, JobConfig
 from plait.model import ModelArgs, TiedOutput
@@ -33,6 +39,22 @@ def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
         if size % tp:
             raise ConfigError(f"parallelism.tp: {tp} does not divide the {what} {size}; "
                               f"allowed: a divisor of {size}")
+
+
+class ProjectionNormParallel(ParallelStyle):
+    """A norm over the last dimension of a column-split projection (OLMo 2's q/k norm): its weight
+    is split as the projection's columns are, its local input is that split's piece, and its
+    output goes back to a local tensor for the head reshape that follows."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def shard_weight(name, module, mesh):
+            module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)])))
+
+        return distribute_module(
+            module, mesh, shard_weight,
+            input_fn=lambda mod, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
+                                                     for x in inputs),
+            output_fn=lambda mod, output, mesh: output.to_local())
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -69,6 +91,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             "feed_forward.w3": ColwiseParallel(),
         }
         if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
+            # After a sub-layer (post_norm) a norm's output meets the local residual stream.
+            plan["attention_norm"] = SequenceParallel(use_local_output=block.post_norm)
+            plan["ffn_norm"] = SequenceParallel(use_local_output=block.post_norm)
+        if block.attention.qk_norm == "head":  # on [batch, seq, local heads, head_dim]: heads are dim 2
+            plan["attention.q_norm"] = plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif block.attention.qk_norm == "projection":
+            plan["attention.q_proj_norm"] = plan["attention.k_proj_norm"] = ProjectionNormParallel()
         parallelize_module(block, tp_mesh, plan)

@@ -18,7 +18,9 @@ from plait.config import JobConfig
 from plait.model import QUERY_BLOCK, ModelArgs, Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 
-COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight")
+# (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum.)
+COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight",
+           "wq.bias", "wk.bias", "wv.bias", "w1.bias", "w3.bias", "q_proj_norm.weight", "k_proj_norm.weight")
 ROWWISE = ("wo.weight", "w2.weight")
 
 
