@@ -127,7 +127,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed["sliding_window"] = args.sliding_window or None
     # transformers 5 writes rope_parameters and dtype; the source's would contradict the fields above.
     kept = {k: v for k, v in (source or {}).items() if k not in ("rope_parameters", "dtype")}
-    return {"bos_token_id": bos_id, "eos_token_id": eos_id, **kept, **computed}  # the source's special ids win
+    # (the source's special token ids win; without one, no padding token: some families default to one)
+    return {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, **kept, **computed}
 
 
 # How a shape was written down (FFN rounding) and how many positions it is used for change

@@ -1,0 +1,166 @@
+"""Llama's relatives in and out: Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k norm, tied),
+Mistral, OLMo 2 (norms after each sub-layer, q/k norm over the projection, attention biases)
+and SmolLM3 (a block without RoPE), each a tiny random model made by transformers itself.
+
+plait builds each from its config.json alone: its logits equal transformers', greedy
+`plait generate --ids` gives transformers' greedy tokens, import then export is bitwise with
+the same config.json, and a folder trained and exported keeps the source's tokenizer files.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, run_plait
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+BASE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=0, bos_token_id=None, pad_token_id=None)
+CONFIGS = {  # model_type -> its config class and fields (the families' defaults, sized down)
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),  # head_dim is not hidden/heads
+    "mistral": ("MistralConfig", dict(sliding_window=4096)),  # Mistral 7B v0.1's window: longer than any test sequence
+    "olmo2": ("Olmo2Config", dict(attention_bias=True)),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=4, tie_word_embeddings=True)),  # block 3 has no RoPE
+}
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+
+
+def make_hf_model(family: str):
+    """A random model as transformers initialises it, with its biases and norm weights drawn
+    away from 0 and 1: a bias or norm weight mapped to the wrong place must show."""
+    torch.manual_seed(0)
+    name, fields = CONFIGS[family]
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**BASE, **fields)).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """family -> a folder saved by transformers, with a tokenizer and its configs (a chat template)."""
+    from plait.data.tokenizer import train_bpe
+
+    tokenizer = train_bpe([(ROOT / "README.md").read_text()] * 4, 300)
+    made = {}
+
+    def folder(family: str):
+        if family not in made:
+            out = tmp_path_factory.mktemp(family)
+            make_hf_model(family).save_pretrained(out)
+            tokenizer.save(str(out / "tokenizer.json"))
+            (out / "tokenizer_config.json").write_text(json.dumps({
+                "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 512}, indent=2))
+            made[family] = out
+        return made[family]
+
+    return folder
+
+
+def plait_model(folder):
+    from plait import hf
+    from plait.model import Transformer
+    from plait.weights import fill_weights
+
+    args = hf.model_args(folder, "checkpoint.load")
+    weights = hf.HFWeights(folder, args, "checkpoint.load")
+    model = Transformer(args)
+    fill_weights(model, lambda name, shape: weights[name])
+    return model.eval(), weights
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_logits_equal_transformers(folders, family):
+    ours, _ = plait_model(folders(family))
+    assert ours.args.family == family
+    tokens = torch.randint(0, VOCAB, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - make_hf_model(family)(tokens).logits).abs().max().item()
+    print(f"\n{family}: max |logits - transformers'| {diff:.2e} over 200 positions")
+    # fp32; measured 2.4e-7 to 3.3e-7 (equivalent RoPE layouts, other kernel orders): 30x margin
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_greedy_generation_equals_transformers(folders, family, capsys):
+    from plait.cli import main
+
+    folder = folders(family)
+    prompt = "Tensor parallelism splits"
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", prompt, "--max_new_tokens", "16",
+                 "--temperature", "0", "--ids"]) == 0
+    ours = json.loads(capsys.readouterr().err.split("ids ")[-1])
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(prompt).ids
+    full = make_hf_model(family).generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0].tolist()
+    assert ours == full[len(ids):] and ours
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, family):
+    from safetensors.torch import load_file
+
+    from plait.hf.config import hf_config
+    from plait.hf.weights import write_weights
+
+    source = folders(family)
+    model, weights = plait_model(source)
+    write_weights(dict(weights.items()), model.args, tmp_path, torch.float32, 1 << 30)
+    before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    # Written from plait's model alone (no source config), config.json builds transformers' model of the
+    # same family and shape: the one transformers saved.
+    config = hf_config(model.args, torch.float32, None, 0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).to_dict()
+    saved = transformers.AutoConfig.from_pretrained(source).to_dict()
+    differ = {k for k in saved if k not in ("transformers_version", "_name_or_path") and saved[k] != theirs.get(k)}
+    assert config["model_type"] == family and not differ, {k: (saved[k], theirs.get(k)) for k in differ}
+
+
+def test_a_trained_and_exported_folder_keeps_its_family_config_and_tokenizer_files(folders, tmp_path):
+    """Qwen3 (tied, per-head q/k norm) and OLMo 2 (post-norm): 2 steps from the folder, export:
+    the config.json is the source's with plait's fields (same model_type, architectures, and the
+    fields plait does not read, e.g. initializer_range), the tokenizer configs are the source's
+    byte for byte (the chat template), and transformers loads it and applies the template."""
+    for family in ("qwen3", "olmo2"):
+        source = folders(family)
+        checkpoints = tmp_path / family
+        rows, _ = run_plait(tmp_path, "--training.steps", "2", "--checkpoint.load", str(source),
+                            "--checkpoint.folder", str(checkpoints), "--checkpoint.interval", "2")
+        assert len(rows) == 2
+        exported = tmp_path / f"{family}-exported"
+        subprocess.run([sys.executable, "-m", "plait", "export", "--checkpoint", str(checkpoints / "step-2"), "--out",
+                        str(exported), "--dtype", "float32"], check=True, cwd=ROOT, capture_output=True)
+        saved, written = (json.loads((f / "config.json").read_text()) for f in (source, exported))
+        assert {k: v for k, v in written.items() if k != "torch_dtype"} == \
+            {k: v for k, v in saved.items() if k not in ("dtype", "rope_parameters")} | \
+            {k: written[k] for k in ("rope_theta", "rope_scaling", "hidden_act", "head_dim", "mlp_bias", "attention_bias")}
+        for name in ("tokenizer_config.json", "generation_config.json"):
+            assert (exported / name).read_bytes() == (source / name).read_bytes(), name
+        tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert chat == "<|user|>hi"
+        model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+        assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[family]
+
+
+def test_plan_predicts_each_family_flavor(capsys):
+    from plait.cli import main
+
+    for flavor in ("qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b"):
+        assert main(["plan", "--world", "8", "--device_memory_gib", "80", "--model.flavor", flavor,
+                     "--training.seq_len", "4096", "--training.global_batch_size", "32"]) == 0
+        assert "plan: best: " in capsys.readouterr().out, flavor
