@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait import float8
@@ -51,7 +52,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
         # Compile each block's (checkpointed) forward in place: FQNs stay those of the plain model, and the
         # hooks that sharding adds around the module call stay outside the compiled graph.
         for block in model.layers.values():
-            block.forward = torch.compile(block.forward, fullgraph=True)
+            block.forward = compiled_forward(block)
     if cfg.parallelism.tp > 1:  # start-up refuses TP with classic DDP
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
     if backend == "simple_fsdp":
@@ -69,6 +70,21 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
         # DistributedDataParallel wraps real parameters (it replicates them anyway), so it comes last.
         return apply_ddp(model, mesh["dp_replicate"], precision, cfg.compile.autograd)
     return model
+
+
+def compiled_forward(block: nn.Module):
+    """The block's forward compiled, taking its input waited on. Under TP the embedding hands the
+    first block its output as an AsyncCollectiveTensor (its all-reduce not yet waited on), and a
+    compiled graph given one returns no gradient for it: the embedding trained on zeros (torch
+    2.13, fp32 and bf16, with or without SP). `wait_tensor` is differentiable and copies nothing."""
+    compiled = torch.compile(block.forward, fullgraph=True)
+
+    def forward(x, *args, **kwargs):
+        if isinstance(x, AsyncCollectiveTensor):
+            x = wait_tensor(x)
+        return compiled(x, *args, **kwargs)
+
+    return forward
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
