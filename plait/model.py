@@ -132,9 +132,9 @@ class RMSNorm(nn.Module):
 
 
 class ProjectionNorm(RMSNorm):
-    """RMSNorm over a whole query or key projection (OLMo 2), written out as transformers does:
-    under tensor parallelism that dimension is split over ranks, where DTensor has no rms_norm,
-    but its mean becomes a partial sum that one small all-reduce completes."""
+    """RMSNorm over a whole query or key projection (OLMo 2), written out as transformers does.
+    (Under tensor parallelism that dimension is split over ranks: the TP plan gives it a forward
+    that completes the mean square with an all-reduce.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

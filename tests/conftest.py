@@ -67,6 +67,7 @@ CAUSAL = ["--model.attention_mask", "causal"]
 FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
+QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
 
 
 def pp_schedule(name: str) -> list[str]:
@@ -136,10 +137,27 @@ LAYOUTS = {
     "single_f8_rowwise": (1, [*ROWWISE, "--training.micro_batch_size", "2"]),
     "fsdp2_f8_rowwise": (2, [*ROWWISE, *degrees(1, 2)]),
     "tp_f8_rowwise": (2, [*ROWWISE, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    # Llama's relatives (debug's shape with a family's switches), against the single device of the
+    # same family: q/k norm per head (Qwen3; tied as its small sizes are, untied under a pipeline,
+    # which refuses tying, as its 8B+ are), q/k/v biases (Qwen2), and OLMo 2's norms after the
+    # sub-layers and over the whole projection (TP splits that norm: one all-reduce completes it).
+    "single_qwen3_tied": (1, [*QWEN3, *TIED, "--training.micro_batch_size", "2"]),
+    "fsdp2_qwen3_tied": (2, [*QWEN3, *TIED, *degrees(1, 2)]),
+    "tp_qwen3_tied": (2, [*QWEN3, *TIED, *degrees(1, 1, tp=2)]),
+    "single_qwen3": (1, [*QWEN3, "--training.micro_batch_size", "2"]),
+    "pp_qwen3": (2, [*QWEN3, *PP2]),
+    "single_qwen2": (1, [*QWEN2, "--training.micro_batch_size", "2"]),
+    "fsdp2_qwen2": (2, [*QWEN2, *degrees(1, 2)]),
+    "tp_qwen2": (2, [*QWEN2, *degrees(1, 1, tp=2)]),
+    "pp_qwen2": (2, [*QWEN2, *PP2]),
+    "single_olmo2": (1, [*OLMO2, "--training.micro_batch_size", "2"]),
+    "tp_olmo2": (2, [*OLMO2, *degrees(1, 1, tp=2)]),
 }
 
 
 def reference(args: list[str]) -> str:
+    if QWEN3[0] in args:
+        return f"single_{args[args.index(QWEN3[0]) + 1].removeprefix('debug_')}{'_tied' * (TIED[0] in args)}"
     if FLOAT8[0] in args:
         return f"single_f8{'_rowwise' * (ROWWISE[1] in args)}"
     if "--model.n_layers" in args:

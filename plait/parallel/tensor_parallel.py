@@ -9,14 +9,16 @@ parallelism the logits stay split over the vocabulary and cross-entropy is compu
 The switches of Llama's relatives follow their weights: q/k/v and w1/w3 biases split with their
 columns, wo and w2 biases are added once after the reduction; a per-head q/k norm (one weight
 shared by every head) is replicated and normalises the rank's heads; a q/k norm over the whole
-projection splits its weight with the heads and completes its mean with one all-reduce.
+projection splits its weight with the heads and completes its mean square with one all-reduce.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
@@ -41,20 +43,36 @@ def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
                               f"allowed: a divisor of {size}")
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over the TP ranks whose gradient is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return funcol.all_reduce(x, "sum", group).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.all_reduce(grad, "sum", ctx.group).wait(), None
+
+
 class ProjectionNormParallel(ParallelStyle):
-    """A norm over the last dimension of a column-split projection (OLMo 2's q/k norm): its weight
-    is split as the projection's columns are, its local input is that split's piece, and its
-    output goes back to a local tensor for the head reshape that follows."""
+    """A norm over the whole of a column-split projection (OLMo 2's q/k norm): its weight is split
+    as the projection's columns are, and each rank normalises its piece by the mean square of
+    the whole projection, one all-reduced value per token in forward and in backward. (Left to
+    DTensor, the backward would reduce-scatter a gradient the size of the whole projection.)"""
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def shard_weight(name, module, mesh):
-            module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)])))
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)])))
+        group, size = mesh.get_group(), module.weight.shape[0]
 
-        return distribute_module(
-            module, mesh, shard_weight,
-            input_fn=lambda mod, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
-                                                     for x in inputs),
-            output_fn=lambda mod, output, mesh: output.to_local())
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            x32 = x.float()
+            squares = _AllReduceSum.apply(x32.pow(2).sum(-1, keepdim=True), group)
+            return (x32 * torch.rsqrt(squares / size + module.eps) * module.weight.to_local()).type_as(x)
+
+        module.forward = forward
+        return module
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

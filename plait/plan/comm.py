@@ -92,11 +92,18 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         out["backward", "all_gather", "tp"] += passes * (scatters + 2 * recomputed) * activation
         out["backward", "reduce_scatter", "tp"] += passes * (gathers + recomputed) * activation
         # Loss parallelism all-reduces three per-token fp32 values per micro-batch. The norm
-        # weights' gradients, partial sums over each rank's sequence shard, are all-reduced once
-        # per step, in the reduce dtype when FSDP2 accumulated them over several micro-batches.
+        # weights' gradients, partial sums over each rank's sequence shard (a per-head q/k
+        # norm's: over its heads), are all-reduced once per step, in the reduce dtype when FSDP2
+        # accumulated them over several micro-batches.
         out["forward", "all_reduce", "tp"] += passes * last * 3 * tokens * 4
-        norms = 2 * len(blocks) + last
-        out["backward", "all_reduce", "tp"] += norms * args.dim * (e if passes == 1 else reduce)
+        norms = (2 * len(blocks) + last) * args.dim + 2 * len(blocks) * args.head_dim * (args.qk_norm == "head")
+        out["backward", "all_reduce", "tp"] += norms * (e if passes == 1 else reduce)
+        if args.qk_norm == "projection":
+            # Each q/k norm all-reduces one fp32 sum of squares per token, and its gradient in
+            # backward (a checkpointed block's recompute, the forward's again).
+            squares = passes * 2 * tokens * 4
+            out["forward", "all_reduce", "tp"] += len(blocks) * squares
+            out["backward", "all_reduce", "tp"] += (len(blocks) + recomputed) * squares
     if p.pp > 1:
         # Per micro-batch a stage receives its input from the previous stage and sends its
         # output to the next in forward, and the reverse with gradients in backward (the sequence

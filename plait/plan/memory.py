@@ -140,7 +140,11 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     w1/w3 inputs are the gathered (full-sequence) norm outputs. Under a mask (the document mask,
     or cp) attention keeps k and v unrepeated (SDPA's grouped-query path), those of the whole
     sequence under cp: `tokens` x cp keys; run in several query blocks (`joined`), each block's
-    output is kept for its backward and their join for the output projection's.
+    output is kept for its backward and their join for the output projection's. A q/k norm keeps
+    its fp32 input and normalised values and 1/rms (8 * head_dim + 4 per head it normalises;
+    over the projection, one 1/rms for all of them). Norms after the sub-layers (post_norm)
+    keep what norms before them do: their fp32 input and values, and the linear layers keep the
+    block input in their stead.
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
     if mode == "full":
@@ -152,7 +156,8 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
     attention = tokens * 4 * heads * hd * e if not masked else \
         (tokens * (2 + joined) * heads + tokens * cp * 2 * kv) * hd * e
-    return norms + attention + tokens * (4 * heads + 4 * ffn * e)
+    qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8}[args.qk_norm]
+    return norms + attention + tokens * (4 * heads + 4 * ffn * e + qk_norms)
 
 
 def masked(cfg: JobConfig) -> bool:
