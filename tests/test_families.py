@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY, run_plait
+from conftest import ROOT, run_plait
 
 transformers = pytest.importorskip("transformers")
 

@@ -154,3 +154,12 @@ def test_differences_between_modes_and_reduce_dtypes_are_reported(runs):
 def test_combinations_that_cannot_be_honoured_refuse_to_start(argv, fragment):
     with pytest.raises(ConfigError, match=fragment):
         check_options(parse_args(argv), world=2)
+
+
+@pytest.mark.parametrize("name", ["fsdp2_qwen2", "tp_qwen2"])
+def test_biased_projections_run_in_the_compute_dtype(train_once, name):
+    """Qwen2's q/k/v biases follow the precision table with their weights: the biased matmuls
+    (addmm) take a bf16 bias, input and weight in forward, and backward's matmuls are bf16."""
+    _, probe = layout_run(train_once, name, BF16)
+    assert dtypes(probe, "forward", "matmul", {"addmm"}) == {"bfloat16"}, probe
+    assert dtypes(probe, "backward", "matmul") == {"bfloat16"}

@@ -1,0 +1,105 @@
+"""A model's shape and switches (ModelArgs), and the named shapes (flavors): Llama 3's sizes,
+the small sizes of its relatives, and tiny ones for tests. Plain data: the model is built from
+it in plait/model.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int  # 0 = take it from the tokenizer
+    multiple_of: int = 256  # FFN hidden size is rounded up to this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 8192
+    head_dim: int = 0  # 0 = dim / n_heads; Hugging Face configs may give another
+    ffn_hidden: int = 0  # 0 = from dim, ffn_dim_multiplier and multiple_of, as Meta's reference
+    tie_embeddings: bool = False  # the output layer multiplies by the embedding matrix itself
+    # None, or {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
+    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: dict | None = None
+    family: str = "llama"  # the Hugging Face model_type it is exported as
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    out_bias: bool = False  # a bias on the attention's output projection (with qkv_bias: attention_bias)
+    ffn_bias: bool = False  # biases on the SwiGLU's three projections (mlp_bias)
+    qk_norm: str = "none"  # RMSNorm of queries and keys before RoPE: "head" (Qwen3), "projection" (OLMo 2)
+    post_norm: bool = False  # norm each sub-layer's output before the residual add (OLMo 2), not its input
+    nope_layers: tuple[int, ...] = ()  # blocks whose attention uses no RoPE (SmolLM3: every fourth)
+    # Mistral's window of keys per query. plait computes attention over the whole sequence, which
+    # is the same model while sequences are no longer than the window; 0 = none.
+    sliding_window: int = 0
+
+    def __post_init__(self):
+        # (a manifest's JSON gives a list back)
+        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
+        # Settled once, so a checkpoint's manifest records every number of the shape.
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if not self.ffn_hidden:
+            hidden = int(2 * 4 * self.dim / 3)
+            if self.ffn_dim_multiplier is not None:
+                hidden = int(self.ffn_dim_multiplier * hidden)
+            object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
+
+    def __hash__(self) -> int:  # (rope_scaling is a dict: hashed by its items)
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(self).values()))
+
+
+FLAVORS = {
+    "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
+    "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
+    # Llama 3.2 1B's shape (FFN hidden 8192) with an untied output layer and a vocabulary
+    # from the tokenizer: a model that fills a GPU where small would not.
+    "llama3_1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=0,
+                           multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000.0),
+    # Tiny relatives for CPU tests: debug's shape with each family's switches.
+    "debug_qwen3": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                             head_dim=64, qk_norm="head", family="qwen3"),
+    "debug_qwen2": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                             qkv_bias=True, family="qwen2"),
+    "debug_olmo2": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                             qk_norm="projection", post_norm=True, family="olmo2"),
+    # Each family's small size (config.json of the published checkpoint), for benchmarks and plan.
+    "qwen3_0_6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, vocab_size=151936, head_dim=128,
+                            ffn_hidden=3072, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                            tie_embeddings=True, qk_norm="head", family="qwen3"),
+    "qwen2_5_0_5b": ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, vocab_size=151936, ffn_hidden=4864,
+                              norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True,
+                              qkv_bias=True, family="qwen2"),
+    "mistral_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32768, ffn_hidden=14336,
+                            rope_theta=1000000.0, max_seq_len=32768, family="mistral"),
+    "olmo2_1b": ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=100352, ffn_hidden=8192,
+                          norm_eps=1e-6, rope_theta=500000.0, max_seq_len=4096, qk_norm="projection", post_norm=True,
+                          family="olmo2"),
+    "smollm3_3b": ModelArgs(dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, vocab_size=128256, ffn_hidden=11008,
+                            norm_eps=1e-6, rope_theta=5000000.0, max_seq_len=65536, tie_embeddings=True,
+                            nope_layers=tuple(range(3, 36, 4)), family="smollm3"),
+    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
+    "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0),
+    "llama3_405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=4096, ffn_dim_multiplier=1.2, rope_theta=500000.0),
+}
+
+
+def model_args(flavor: str, tokenizer_vocab: int, n_layers: int = 0) -> ModelArgs:
+    """The flavor's shape (with `n_layers` blocks, if given) and its vocabulary settled against
+    the tokenizer's."""
+    args = replace(FLAVORS[flavor], n_layers=n_layers or FLAVORS[flavor].n_layers)
+    if args.vocab_size == 0:
+        # Round up so the embedding splits evenly under tensor parallelism.
+        return replace(args, vocab_size=64 * math.ceil(tokenizer_vocab / 64))
+    if tokenizer_vocab > args.vocab_size:
+        raise ValueError(f"model.flavor: {flavor} has {args.vocab_size} embeddings but the tokenizer has "
+                         f"{tokenizer_vocab} tokens; use a smaller tokenizer or the debug/small flavor")
+    return args
