@@ -219,7 +219,7 @@ class Checkpointer:
         self.root = Path(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
         if self.root is not None and dist.get_rank() == 0:
             claim_folder(self.root, identity)  # start-up checked that no other job owns it
-        self.companions: dict[str, str] = {}  # rank 0: files of the start folder every checkpoint keeps
+        self.companions: dict[str, bytes] = {}  # rank 0: files of the start folder every checkpoint keeps
         self.pending = None  # (future, folder, manifest) of an asynchronous save in flight
         self.saved_step = None  # the step this run last saved (or resumed): saving it again is a no-op
         self.staging = None  # completes when the save in flight has copied the state it writes

@@ -138,14 +138,13 @@ LAYOUTS = {
     "fsdp2_f8_rowwise": (2, [*ROWWISE, *degrees(1, 2)]),
     "tp_f8_rowwise": (2, [*ROWWISE, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     # Llama's relatives (debug's shape with a family's switches), against the single device of the
-    # same family: q/k norm per head (Qwen3; tied as its small sizes are, untied under a pipeline,
-    # which refuses tying, as its 8B+ are), q/k/v biases (Qwen2), and OLMo 2's norms after the
-    # sub-layers and over the whole projection (TP splits that norm: one all-reduce completes it).
+    # same family: q/k norm per head (Qwen3, tied as its small sizes are), q/k/v biases (Qwen2; also
+    # under a pipeline, which refuses tying: what a stage holds of a block is the same question for
+    # any parameter), and OLMo 2's norms after the sub-layers and over the whole projection (TP
+    # splits that norm: one all-reduce completes it).
     "single_qwen3_tied": (1, [*QWEN3, *TIED, "--training.micro_batch_size", "2"]),
     "fsdp2_qwen3_tied": (2, [*QWEN3, *TIED, *degrees(1, 2)]),
     "tp_qwen3_tied": (2, [*QWEN3, *TIED, *degrees(1, 1, tp=2)]),
-    "single_qwen3": (1, [*QWEN3, "--training.micro_batch_size", "2"]),
-    "pp_qwen3": (2, [*QWEN3, *PP2]),
     "single_qwen2": (1, [*QWEN2, "--training.micro_batch_size", "2"]),
     "fsdp2_qwen2": (2, [*QWEN2, *degrees(1, 2)]),
     "tp_qwen2": (2, [*QWEN2, *degrees(1, 1, tp=2)]),

@@ -300,7 +300,7 @@ def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_
 def test_hf_folders_that_compute_differently_are_refused(tmp_path, seed_ckpt):
     """Same shape is not same model: Llama 3.1 8B's scaled RoPE taken for llama3_8b would run
     with the wrong frequencies. Checked against the run's model with one line naming the field;
-    biases, which plait's Llama has none of, are refused outright."""
+    a config.json whose biases the weights lack is refused naming them."""
     from plait.checkpoint import read_manifest
     from plait.config import ConfigError
     from plait.hf import check
@@ -322,11 +322,12 @@ def test_hf_folders_that_compute_differently_are_refused(tmp_path, seed_ckpt):
     assert proc.returncode == 2 and rows == [] and proc.stderr.strip().splitlines() == [
         f"plait: error: model.flavor: debug is not the model of {out} (rope_theta 10000.0 vs 500000.0 in its "
         "config.json); leave model.flavor out to train the folder's model"]
+    # A config.json that promises biases its weights do not hold.
     (out / "config.json").write_text(json.dumps({**exported, "attention_bias": True}))
     rows, proc = run_plait(tmp_path, "--checkpoint.load", str(out), check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"plait: error: checkpoint.load: {out / 'config.json'} sets attention_bias: plait's Llama has no biases; "
-        "allowed: false"]
+        f"plait: error: checkpoint.load: {out} lacks ['model.layers.0.self_attn.q_proj.bias', "
+        "'model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.v_proj.bias'] ..."]
 
 
 HF_MATH_CHANGES = [  # (config.json fields changed, the words that must name it); the last stays for the run
@@ -337,6 +338,8 @@ HF_MATH_CHANGES = [  # (config.json fields changed, the words that must name it)
     ({"rms_norm_eps": 1e-6}, "norm_eps 1e-06 vs 1e-05"),
     ({"tie_word_embeddings": True}, "tie_embeddings True vs False"),
     ({"head_dim": 16}, "head_dim 16 vs 32"),
+    ({"attention_bias": True}, "qkv_bias True vs False, out_bias True vs False"),
+    ({"model_type": "qwen3"}, "family qwen3 vs llama, qk_norm head vs none"),
     ({"rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
      "rope_theta 500000.0 vs 10000.0"),
 ]

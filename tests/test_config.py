@@ -123,7 +123,9 @@ def run_cli(*args):
     (["--training.stepz", "3"], "training.stepz: unknown option --training.stepz; did you mean --training.steps? "
                                 "(plait train --help lists every option)"),
     (["--model.flavor", "huge"], "model.flavor: invalid choice 'huge' for argument '--model.flavor'. Expected one of "
-                                 "('auto', 'debug', 'small', 'llama3_1b', 'llama3_8b', 'llama3_70b', 'llama3_405b')."),
+                                 "('auto', 'debug', 'small', 'llama3_1b', 'llama3_8b', 'llama3_70b', 'llama3_405b', 'debug_qwen3', "
+                                 "'debug_qwen2', 'debug_olmo2', 'qwen3_0_6b', 'qwen2_5_0_5b', 'mistral_7b', 'olmo2_1b', "
+                                 "'smollm3_3b')."),
     (["--training.steps", "x"], "training.steps: Error parsing --training.steps: invalid literal for int() with base 10: 'x'"),
     (["--compile.enable", "yes"], "arguments: unexpected value 'yes' (a boolean option takes none: --section.key sets "
                                   "it, --section.no_key clears it)"),

@@ -34,8 +34,8 @@ CONTEXT_BF16 = ("cp",)
 # Float8 against the single device with the same recipe (FLOAT8_BOUNDS below).
 FLOAT8 = ("fsdp2_f8", "ddp_f8", "classic_ddp_f8", "tp_f8", "pp_f8", "fsdp2_tp_f8", "fsdp2_f8_rowwise", "tp_f8_rowwise")
 FLOAT8_BF16 = ("fsdp2_f8",)
-# Llama's relatives (conftest: Qwen3's per-head q/k norm, tied and untied; Qwen2's biases; OLMo
-# 2's norms), in both precisions but OLMo 2 (fp32: its norm split by TP is the new mechanism).
+# Llama's relatives (conftest: Qwen3's per-head q/k norm, tied; Qwen2's biases; OLMo 2's norms),
+# in both precisions but OLMo 2 (fp32: its norm split by TP is the new mechanism).
 # The switches change no reduction: FSDP2 and the pipeline are bitwise as for Llama, TP adds
 # one more split sum per q/k norm (projection) and none for biases (each rank adds its own
 # columns' bias; wo's is added once, after the sum). OLMo 2 normalises each sub-layer's output,
@@ -43,9 +43,13 @@ FLOAT8_BF16 = ("fsdp2_f8",)
 # relative to the residual stream than in a block that normalises its input, measured 1.9e-6
 # (4 ulps of a loss in [4, 8)) in fp32: POST_NORM is 5x that.
 POST_NORM = 1e-5
+# A tied model's embedding starts at the output layer's scale (std dim^-0.5, not 1): its residual
+# stream starts ~11x smaller, so each sub-layer's bf16-rounded output weighs ~11x more against it.
+# TP2 in bf16 measured 1.4e-3 (Qwen3 shape) and 1.9e-3 (Llama's tied debug model, not a row);
+# bound 2.6x the worst.
+TIED_BF16 = 5e-3
 FAMILIES = {("fsdp2_qwen3_tied", "fp32"): BITWISE, ("fsdp2_qwen3_tied", "bf16"): BITWISE,
-            ("tp_qwen3_tied", "fp32"): TIED_REORDERED, ("tp_qwen3_tied", "bf16"): BF16_REORDERED,
-            ("pp_qwen3", "fp32"): BITWISE, ("pp_qwen3", "bf16"): BITWISE,
+            ("tp_qwen3_tied", "fp32"): TIED_REORDERED, ("tp_qwen3_tied", "bf16"): TIED_BF16,
             ("fsdp2_qwen2", "fp32"): BITWISE, ("fsdp2_qwen2", "bf16"): BITWISE,
             ("tp_qwen2", "fp32"): FP32_REORDERED, ("tp_qwen2", "bf16"): BF16_REORDERED,
             ("pp_qwen2", "fp32"): BITWISE, ("pp_qwen2", "bf16"): BITWISE,

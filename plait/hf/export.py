@@ -31,14 +31,17 @@ def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: 
         if tokenizer.get_vocab_size() > args.vocab_size:
             raise ConfigError(f"checkpoint: {folder}'s tokenizer has {tokenizer.get_vocab_size()} tokens, more than "
                               f"the model's {args.vocab_size} embeddings")
+    kept = [name for name in hf_tokenizer.COMPANIONS if (folder / name).is_file()]
     source = folder / hf_tokenizer.SOURCE_CONFIG  # the config.json of the folder the run started from
+    source = json.loads(source.read_text()) if source.is_file() else None
+    if source is not None and not kept:  # trained with another tokenizer: the source's token ids are not its
+        source = {k: v for k, v in source.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = hf_config(args, dtype, *(hf_tokenizer.special_ids(tokenizer) if tokenizer is not None else (None, None)),
-                       source=json.loads(source.read_text()) if source.is_file() else None)
+                       source=source)
     files = write_weights(state, args, out, dtype, shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is None:  # checkpoints written before plait kept their tokenizer
         return f"{len(files)} weight file(s), no tokenizer ({folder} holds none: copy the run's tokenizer.json in)"
     hf_tokenizer.write(tokenizer, out, args.max_seq_len)
-    kept = [name for name in hf_tokenizer.COMPANIONS if (folder / name).is_file()]
-    hf_tokenizer.write_companions({name: (folder / name).read_text() for name in kept}, out)
+    hf_tokenizer.write_companions({name: (folder / name).read_bytes() for name in kept}, out)
     return f"{len(files)} weight file(s) and the tokenizer" + (f" (with the start folder's {', '.join(kept)})" * bool(kept))

@@ -33,15 +33,15 @@ COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "generation_co
 SOURCE_CONFIG = "hf_config.json"
 
 
-def companions(folder: Path, tokenizer: Tokenizer) -> dict[str, str]:
-    """name -> text of what a run starting from `folder` (a Hugging Face folder or a plait
+def companions(folder: Path, tokenizer: Tokenizer) -> dict[str, bytes]:
+    """name -> bytes of what a run starting from `folder` (a Hugging Face folder or a plait
     checkpoint) carries into its checkpoints: its config.json (as SOURCE_CONFIG), and its
     tokenizer's configs where the run's tokenizer is the folder's own."""
     config = folder / "config.json" if (folder / "config.json").is_file() else folder / SOURCE_CONFIG
-    carried = {SOURCE_CONFIG: config.read_text()} if config.is_file() else {}
+    carried = {SOURCE_CONFIG: config.read_bytes()} if config.is_file() else {}
     own = folder / TOKENIZER
     if own.is_file() and Tokenizer.from_file(str(own)).to_str() == tokenizer.to_str():
-        carried |= {name: (folder / name).read_text() for name in COMPANIONS if (folder / name).is_file()}
+        carried |= {name: (folder / name).read_bytes() for name in COMPANIONS if (folder / name).is_file()}
     return carried
 
 
@@ -55,6 +55,6 @@ def write(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=1))
 
 
-def write_companions(carried: dict[str, str], out: Path) -> None:
-    for name, text in carried.items():
-        (out / name).write_text(text)
+def write_companions(carried: dict[str, bytes], out: Path) -> None:
+    for name, data in carried.items():
+        (out / name).write_bytes(data)
