@@ -194,13 +194,19 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
     assert one_line(*train, str(gemma)) == (
         f"plait: error: checkpoint.load: {gemma / 'config.json'} holds a model_type 'gemma2' model; plait reads llama, "
         "mistral, qwen2, qwen3, olmo2, smollm3")
-    # A field of a family plait reads that changes what the model computes in a way plait does not.
-    capped = variant("capped", model_type="qwen3", final_logit_softcapping=30.0)
-    assert one_line(*train, str(capped)) == (
-        f"plait: error: checkpoint.load: {capped / 'config.json'} sets final_logit_softcapping (logit soft-capping), "
-        "which plait does not compute; allowed: unset, null or false")
-    moe = variant("moe", model_type="qwen2", num_experts=8)
-    assert "sets num_experts (mixture of experts)" in one_line(*train, str(moe))
+    # Fields of a family plait reads that change the model in a way plait does not compute (the
+    # same ConfigError as above, read in this process: no run each).
+    from plait import hf
+    from plait.config import ConfigError
+
+    for fields, named in [({"model_type": "qwen3", "final_logit_softcapping": 30.0},
+                           "sets final_logit_softcapping (logit soft-capping), which plait does not compute; allowed: "
+                           "unset, null or false"),
+                          ({"model_type": "qwen2", "num_experts": 8}, "sets num_experts (mixture of experts)"),
+                          ({"model_type": "qwen2", "use_sliding_window": True}, "sets use_sliding_window"),
+                          ({"hidden_act": "gelu"}, "sets hidden_act 'gelu'; allowed: 'silu'")]:
+        with pytest.raises(ConfigError, match="config.json " + re.escape(named)):
+            hf.model_args(variant("_".join(map(str, fields.values())), **fields), "checkpoint.load")
     # Mistral's sliding window: the same model while sequences fit in it, refused beyond.
     window = variant("window", model_type="mistral", sliding_window=32)
     assert one_line(*train, str(window), "--data.vocab_size", "300") == (
