@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_plait
+from test_hf import plait_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,18 +67,6 @@ def folders(tmp_path_factory):
         return made[family]
 
     return folder
-
-
-def plait_model(folder):
-    from plait import hf
-    from plait.model import Transformer
-    from plait.weights import fill_weights
-
-    args = hf.model_args(folder, "checkpoint.load")
-    weights = hf.HFWeights(folder, args, "checkpoint.load")
-    model = Transformer(args)
-    fill_weights(model, lambda name, shape: weights[name])
-    return model.eval(), weights
 
 
 @pytest.mark.parametrize("family", CONFIGS)
