@@ -37,8 +37,8 @@ class RMSNorm(nn.Module):
 
 class ProjectionNorm(RMSNorm):
     """RMSNorm over a whole query or key projection (OLMo 2), written out as transformers does.
-    (Under tensor parallelism that dimension is split over ranks: the TP plan gives it a forward
-    that completes the mean square with an all-reduce.)"""
+    Under tensor parallelism that dimension is split over ranks and the TP plan gives it a forward
+    that completes the mean square with an all-reduce; the same formula here keeps the two alike."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
