@@ -75,11 +75,12 @@ def one_line(box: str, cls, prog: str) -> str:
     return f"{option.group(1) if option else 'arguments'}: {text}"
 
 
-def parse_args(argv: list[str], prog: str = "plait train") -> JobConfig:
-    """Parse a train-style command line: `--config` first supplies defaults, then the flags."""
+def parse_args(argv: list[str], prog: str = "plait train", cls=JobConfig, defaults: list[str] = ()) -> JobConfig:
+    """Parse a train-style command line into `cls` (JobConfig or a command's extension of it):
+    the command's `defaults` first, then `--config`'s values, then the flags."""
     config_args: list[str] = []
     for i, arg in enumerate(argv):
         name = arg.split("=", 1)[1] if arg.startswith("--config=") else (argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
         if name is not None:
             config_args = toml_to_args(resolve_config_path(name))
-    return parse(JobConfig, config_args + argv, prog)
+    return parse(cls, [*defaults, *config_args, *argv], prog)

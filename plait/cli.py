@@ -17,7 +17,7 @@ from typing import Literal
 from plait.arguments import parse, parse_args
 from plait.config import ConfigError
 
-USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,bench,bench-context,compare,trace,plan} [options]
+USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,bench,bench-context,compare,trace,plan,doctor} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -30,6 +30,7 @@ subcommands:
   compare          train under several layouts from one seed, compare losses (plait compare --help)
   plan             predicted memory, communication and step time of every layout: plait plan --world N --device_memory_gib G
   trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...
+  doctor           is this machine (cluster) fit to train: hardware, compute, corruption, network, a job, storage
 """
 
 
@@ -79,9 +80,10 @@ TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 EXIT_CODES = "PLAIT_EXIT_CODES"  # the folder where workers leave their exit codes for launch_local
 
 
-def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
-    """`plait train --nproc N`: the same job under torchrun on this machine, with the exit code
-    one process would have: 128 + the signal after a preemption, 1 after an error, 0 done."""
+def launch_local(argv: list[str], nproc: int, max_restarts: int, command: str = "train") -> int:
+    """`plait train --nproc N` (or `plait doctor --nproc N`): the same job under torchrun on this
+    machine, with the exit code one process would have: 128 + the signal after a preemption, 1
+    after an error, 0 done."""
     # torchrun would read a passed-through `--nproc` as an abbreviation of its own option.
     worker_argv, skip = [], False
     for i, arg in enumerate(argv):
@@ -93,7 +95,7 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int) -> int:
             worker_argv.append(arg)
     # torchrun's agent handles SIGUSR1 too (by default it would die of it before its workers save).
     command = [sys.executable, "-m", "plait.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}", "-m", "plait", "train",
+               f"--max-restarts={max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}", "-m", "plait", command,
                *worker_argv]
     with tempfile.TemporaryDirectory(prefix="plait-exit-") as codes:
         job = subprocess.Popen(command, env={**os.environ, EXIT_CODES: codes})
@@ -172,6 +174,21 @@ def tokenize(argv: list[str]) -> int:
     from plait.data.tokenize import main as tokenize_main
 
     return tokenize_main(argv)
+
+
+def doctor(argv: list[str]) -> int:
+    """Like `train`: one process per rank under torchrun (--nproc launches them here)."""
+    import copy
+
+    from plait.doctor import parse, run
+
+    cfg = parse(argv)
+    if cfg.nproc > 1 and "RANK" not in os.environ:
+        from plait.checks import check_options
+
+        check_options(copy.deepcopy(cfg), cfg.nproc)
+        return launch_local(argv, cfg.nproc, 0, "doctor")
+    end_worker(run(cfg))
 
 
 def bench(argv: list[str]) -> int:
@@ -257,7 +274,7 @@ def generate(argv: list[str]) -> int:
 
 COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
             "generate": generate, "bench": bench, "bench-context": bench_context, "compare": compare,
-            "trace": trace, "plan": plan}
+            "trace": trace, "plan": plan, "doctor": doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

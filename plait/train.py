@@ -245,7 +245,9 @@ def run(cfg: JobConfig) -> list[dict]:
     check_data_sizes(cfg, corpus)
 
     device = pick_device(cfg.training.device)
-    init_distributed(cfg, device)
+    owned = not dist.is_initialized()  # `plait doctor` runs its job on the group it already has
+    if owned:
+        init_distributed(cfg, device)
     peers_answer = True
     try:
         return _train(cfg, args, corpus, identity, device)
@@ -255,7 +257,7 @@ def run(cfg: JobConfig) -> list[dict]:
     finally:
         # A barrier before tearing down avoids gloo aborting at exit while a peer still talks
         # (but would wait for a hung peer until it timed out too, and replace the error).
-        if dist.is_initialized():
+        if owned and dist.is_initialized():
             if peers_answer:
                 dist.barrier()
             dist.destroy_process_group()

@@ -1,11 +1,17 @@
-"""Shared helpers: run the real `plait` CLI (under torchrun for world > 1) and read its metrics."""
+"""Shared helpers: run the real `plait` CLI (as torchrun's ranks for world > 1) and read its metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,17 +49,120 @@ def plait_cache(tmp_path_factory):
 
 def run_plait(tmp_path: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 300,
               metrics: Path | None = None):
-    """Run `plait train` with `args`; returns (per-step metric rows, completed process). The rows
-    are read from `metrics` if given, else from a new file of the run's own."""
+    """Run `plait train` with `args` (forked from the fork server: tests/forkserver.py); returns
+    (per-step metric rows, completed process). The rows are read from `metrics` if given, else
+    from a new file of the run's own."""
     metrics = metrics or tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*')))}.jsonl"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
-        if nproc > 1 else [sys.executable]
-    command = [*launcher, "-m", "plait", "train", *TINY, *args, "--metrics.jsonl", str(metrics)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = launch(["train", *TINY, *args, "--metrics.jsonl", str(metrics)], nproc, timeout, forked=True)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return rows, proc
+
+
+class ForkServer:
+    """The tests' end of tests/forkserver.py, started at the first forked launch."""
+
+    def __init__(self):
+        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pending, self.codes = b"", {}
+
+    def _messages(self, block: bool):
+        """The server's messages: those already read, then (waiting for one if `block`) new ones."""
+        while True:
+            while b"\n" in self.pending:
+                line, self.pending = self.pending.split(b"\n", 1)
+                yield json.loads(line)
+                block = False
+            if not block and not select.select([self.server.stdout], [], [], 0)[0]:
+                return
+            data = os.read(self.server.stdout.fileno(), 1 << 16)
+            if not data:
+                raise RuntimeError("the fork server died")
+            self.pending += data
+
+    def start(self, argv: list[str], env: dict, stdout: Path, stderr: Path) -> int:
+        self.server.stdin.write(json.dumps({"argv": argv, "env": env, "stdout": str(stdout),
+                                            "stderr": str(stderr)}).encode() + b"\n")
+        self.server.stdin.flush()
+        while True:
+            for message in self._messages(block=True):
+                if "pid" in message:
+                    return message["pid"]
+                self.codes[message["exited"]] = message["code"]
+
+    def code(self, pid: int) -> int | None:
+        for message in self._messages(block=False):
+            self.codes[message["exited"]] = message["code"]
+        return self.codes.get(pid)
+
+
+FORK_SERVER: list[ForkServer] = []
+
+
+class Forked:
+    """A forked `plait` process, with Popen's poll() and kill()."""
+
+    def __init__(self, argv: list[str], env: dict, stdout: Path, stderr: Path):
+        if not FORK_SERVER:
+            FORK_SERVER.append(ForkServer())
+        self.server = FORK_SERVER[0]
+        self.pid = self.server.start(argv, env, stdout, stderr)
+
+    def poll(self) -> int | None:
+        return self.server.code(self.pid)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def launch(argv: list[str], nproc: int, timeout: float, nodes: int = 1, env: dict | None = None,
+           forked: bool = False) -> subprocess.CompletedProcess:
+    """`plait ARGV` as one process, or as `nproc` ranks with the environment torchrun gives its
+    workers but without torchrun's agent (whose own torch import costs ~2 s a run; the launch
+    itself is proven by the tests that run `plait train --nproc` or torchrun). As the agent does,
+    a rank that fails stops the others (a peer would otherwise wait for it until the timeout),
+    3 s on. `nodes` > 1 numbers the ranks as that many machines of nproc / nodes ranks would.
+    `forked`: from the fork server (~4 s of imports less per process), else started by Python
+    (which then runs its start-up as usual: a sitecustomize on PYTHONPATH, say)."""
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    local = nproc // nodes
+    shared = {**os.environ, **(env or {})}
+    if nproc > 1:
+        shared.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+                       "LOCAL_WORLD_SIZE": str(local), "TORCHELASTIC_RESTART_COUNT": "0"})
+    command = [sys.executable, "-m", "plait", *argv]
+    with tempfile.TemporaryDirectory(prefix="plait-launch-") as folder:
+        ranks, files = [], []
+        for rank in range(nproc):
+            rank_env = {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank % local),
+                        "GROUP_RANK": str(rank // local)} if nproc > 1 else shared
+            out, err = Path(folder, f"{rank}.out"), Path(folder, f"{rank}.err")
+            files.append((out, err))
+            if forked:
+                ranks.append(Forked(argv, rank_env, out, err))
+            else:
+                with open(out, "w") as stdout, open(err, "w") as stderr:
+                    ranks.append(subprocess.Popen(command, cwd=ROOT, env=rank_env, stdout=stdout, stderr=stderr))
+        deadline, code, timed_out = time.monotonic() + timeout, 0, False
+        while any(p.poll() is None for p in ranks):
+            if not code and (code := next((p.poll() for p in ranks if p.poll()), 0)):  # the first failure's
+                deadline = min(deadline, time.monotonic() + 3)  # peers failing on the same verdict say so first
+            if time.monotonic() > deadline:
+                timed_out = not code
+                for p in ranks:
+                    p.kill()
+            time.sleep(0.05)
+        stdout = "".join(out.read_text(errors="replace") for out, _ in files)
+        stderr = "".join(err.read_text(errors="replace") for _, err in files)
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    code = code or next((p.poll() for p in ranks if p.poll()), 0)
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
 STEPS = ["--training.steps", "6"]

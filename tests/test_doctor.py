@@ -1,0 +1,95 @@
+"""`plait doctor`: the whole command at world 2 (as a user launches it) and at world 4 numbered as
+two machines of two ranks, with a fault injected into each of four ranks; each check must name
+the rank at fault, and only the checks that should."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, launch
+from plait.config import ConfigError
+from plait.doctor import parse
+from plait.doctor.network import pairings
+from plait.doctor.report import odd_ones
+
+pytestmark = pytest.mark.slow
+FAULTS = ROOT / "tests" / "faults"  # sitecustomize.py: faults injected from outside plait
+# A short measuring budget: the tests are about verdicts, not about how well a CPU is measured.
+QUICK = ["--budget_seconds", "4", "--training.threads", "1"]
+
+
+def checks_of(path) -> dict[str, dict]:
+    return {check["name"]: check for check in json.loads(path.read_text())["checks"]}
+
+
+def test_world_2_passes_every_check_and_cleans_up(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "plait", "doctor", "--nproc", "2", *QUICK, "--json",
+                           str(tmp_path / "doctor.json"), "--checkpoint.folder", str(folder)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    print(f"\ndoctor at world 2: {report['seconds']} s {report['seconds_per_area']}")
+    assert report["ranks"] == 2 and report["nodes"] == 1 and report["job"] == "fsdp2: dp_shard 2"
+    checks = checks_of(tmp_path / "doctor.json")
+    assert set(checks) == {
+        "hardware: versions", "hardware: devices", "compute: float32 matmul", "compute: bfloat16 matmul",
+        "corruption: exact matmuls", "corruption: random matmuls", "corruption: training steps",
+        *(f"network: {name} (world, 2 ranks)" for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")),
+        "network: point-to-point latency", "training: losses", "training: throughput",
+        "storage: write", "storage: read", "storage: free space"}
+    # Speeds on a shared CPU may WARN; correctness never may.
+    assert not [name for name, c in checks.items() if c["result"] == "FAIL"]
+    for name in ("hardware: versions", "corruption: exact matmuls", "corruption: random matmuls",
+                 "corruption: training steps", "training: losses", "storage: write", "storage: read"):
+        assert checks[name]["result"] == "PASS", checks[name]
+    # FSDP2 at world 2 averages two fp32 gradients, exact in either order: bitwise (test_parity).
+    losses = checks["training: losses"]["values"]
+    assert losses["losses"] == losses["one_device"] and len(losses["losses"]) == 6
+    sizes = checks["network: all_reduce (world, 2 ranks)"]["values"]["sizes"]
+    assert sizes[0]["bytes"] == 2**20 and sizes[0]["busbw"] == pytest.approx(sizes[0]["algbw"])  # 2(n-1)/n = 1
+    assert "plait doctor: PASS" in proc.stdout or "plait doctor: WARN" in proc.stdout
+    assert list(folder.iterdir()) == []  # the doctor's checkpoint is gone, the folder stays
+
+
+def test_world_4_names_the_rank_of_each_fault(tmp_path):
+    """Rank 0 cannot write past 1 MiB (a full disk), rank 1's matmuls return a last bit flipped,
+    rank 2's take 4x their time, rank 3 runs another torch build; numbered as 2 machines x 2 ranks,
+    so the collectives are measured within each node too."""
+    proc = launch(["doctor", *QUICK, "--json", str(tmp_path / "doctor.json")], 4, timeout=300, nodes=2,
+                  env={"PYTHONPATH": str(FAULTS), "PLAIT_TEST_FAULTS": "0:disk,1:bitflip,2:slow,3:version"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = checks_of(tmp_path / "doctor.json")
+    verdicts = {name: (c["result"], c["ranks"]) for name, c in checks.items()}
+    assert verdicts["hardware: versions"] == ("FAIL", [3])
+    assert f"rank 3: torch {torch.__version__}.other" in checks["hardware: versions"]["measured"]
+    assert verdicts["corruption: exact matmuls"] == ("FAIL", [1])
+    assert verdicts["corruption: random matmuls"] == ("FAIL", [1])
+    assert verdicts["compute: float32 matmul"] == verdicts["compute: bfloat16 matmul"] == ("WARN", [2])
+    assert verdicts["storage: write"] == ("FAIL", [0]) and "File too large" in checks["storage: write"]["measured"]
+    for name in ("hardware: devices", "corruption: training steps", "training: losses"):
+        assert verdicts[name] == ("PASS", []), (name, checks[name])
+    network = [name for name in checks if name.startswith("network: ") and "latency" not in name]
+    assert len(network) == 8 and all(verdicts[name][0] == "PASS" for name in network)
+    assert sum("(within a node, 2 ranks)" in name for name in network) == 4
+    assert "plait doctor: FAIL (hardware: versions, corruption: exact matmuls, corruption: random matmuls, " \
+           "storage: write): not fit to train" in proc.stdout
+
+
+def test_verdict_helpers_and_options():
+    assert odd_ones(["a", "a", "b", "a"]) == [2]
+    assert odd_ones(["a", "b"]) == [0, 1]  # two ranks that disagree: nothing says which is wrong
+    assert odd_ones(["a"]) == []
+    for world in (2, 3, 4, 7, 8):
+        pairs = [pair for rounds in pairings(world) for pair in rounds]
+        assert sorted(pairs) == [(a, b) for a in range(world) for b in range(a + 1, world)]
+        assert all(len({r for pair in rounds for r in pair}) == 2 * len(rounds) for rounds in pairings(world))
+    cfg = parse(["--budget_seconds", "30", "--training.steps", "3"])
+    assert cfg.budget_seconds == 30 and cfg.training.steps == 3
+    assert parse([]).training.steps == 6  # the doctor's short job, unless told otherwise
+    with pytest.raises(ConfigError, match="budget_second: unknown option --budget_second; did you mean --budget_sec"):
+        parse(["--budget_second", "3"])
