@@ -48,6 +48,9 @@ MANIFEST = "plait.json"
 FORMAT = 1  # of the manifest and the state in it: a plait that reads an older format says so
 OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
 STEP_FOLDER = re.compile(r"step-(\d+)$")
+# What a resumed run may change, said once at resume: the optimizer's and the schedule's options
+# (steps too: the schedule decays towards this run's last step).
+RESUMABLE = ("lr", "weight_decay", "steps", "lr_schedule", "min_lr_ratio", "decay_fraction", "decay_shape")
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -284,8 +287,8 @@ class Checkpointer:
         return load, None if hf.is_hf_folder(Path(load)) else read_manifest(Path(load)), False
 
     def _apply_hyperparameters(self, saved: dict) -> None:
-        """This run's training.lr and weight_decay win over the checkpoint's, as its steps and
-        warmup_steps do (the schedule's shape comes from this run's options): the optimizer's
+        """This run's training.lr, weight_decay and schedule win over the checkpoint's (the
+        schedule is a function of this run's options: see plait/schedule.py): the optimizer's
         groups and the schedule's base come back from the checkpoint, and would otherwise keep
         the old values silently. The schedule continues from the resumed step. (Under pipeline
         parallelism DCP also drops the float entries of some ranks' param groups: every one is
@@ -297,7 +300,8 @@ class Checkpointer:
             group.update({**self.optimizer.defaults, **{k: v for k, v in group.items() if k != "params"}})
             group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=decay)
         self.scheduler._last_lr = [group["lr"] for group in groups]
-        changed = [f"training.{name} {saved[name]:g} -> {getattr(t, name):g}" for name in ("lr", "weight_decay")
+        changed = [f"training.{name} {saved[name]:g} -> {getattr(t, name):g}" if isinstance(saved[name], float) else
+                   f"training.{name} {saved[name]} -> {getattr(t, name)}" for name in RESUMABLE
                    if name in saved and saved[name] != getattr(t, name)]
         if changed and dist.get_rank() == 0:
             print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former)",
@@ -341,7 +345,7 @@ class Checkpointer:
         dist.barrier()
         t = self.cfg.training
         manifest = _manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
-                             hyperparameters={"lr": t.lr, "weight_decay": t.weight_decay},
+                             hyperparameters={name: getattr(t, name) for name in RESUMABLE},
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()

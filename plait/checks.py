@@ -10,12 +10,14 @@ from plait.masking import check_attention
 from plait.parallel.context_parallel import check_context_parallel
 from plait.parallel.pipeline import check_pipeline
 from plait.precision import resolve
+from plait.schedule import check_schedule
 
 
 def check_options(cfg: JobConfig, world: int) -> JobConfig:
     """Every option against the others and the device, for `world` ranks; fills in the derived
     defaults (micro_batch_size, dp_shard, ...) as `config.validate` does. ConfigError if wrong."""
     validate(cfg, world)
+    check_schedule(cfg)
     check_context_parallel(cfg)
     resolve(cfg)
     check_attention(cfg)

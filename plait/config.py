@@ -59,9 +59,18 @@ class Training:
     seq_len: int = 128
     """tokens per sequence"""
     lr: float = 2e-3
-    """peak learning rate (AdamW), reached after warmup, then cosine decay to lr/10"""
+    """peak learning rate (AdamW), reached after warmup, then lr_schedule"""
     warmup_steps: int = 10
     """linear warmup steps"""
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """after warmup: cosine decay to min_lr_ratio x lr at the last step; wsd: lr until the last decay_fraction of
+    the steps, then decay_shape down to min_lr_ratio x lr; constant: lr"""
+    min_lr_ratio: float = 0.1
+    """the lr of the last step, as a fraction of lr (cosine, wsd)"""
+    decay_fraction: float = 0.2
+    """wsd: the share of the steps that decay"""
+    decay_shape: Literal["linear", "sqrt", "cosine"] = "linear"
+    """wsd: the decay's shape (sqrt: 1 - sqrt of the decay's progress, falling fast at first)"""
     max_norm: float = 1.0
     """gradient clipping by global norm; 0 disables clipping (the norm is still logged)"""
     weight_decay: float = 0.1

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plait import float8, hf, parallel
+from plait import float8, hf, parallel, schedule
 from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, world_size
@@ -81,20 +81,6 @@ def set_threads(cfg: JobConfig) -> None:
     torch.set_num_threads(threads)
 
 
-def lr_lambda(cfg: JobConfig):
-    """Linear warmup to the peak, then cosine decay to a tenth of it at the last step."""
-    warmup, steps = cfg.training.warmup_steps, cfg.training.steps
-
-    def factor(done: int) -> float:
-        step = done + 1
-        if step <= warmup:
-            return step / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
     t = cfg.training
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -102,7 +88,7 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor(cfg))
 
 
 def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> float:

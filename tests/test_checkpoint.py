@@ -107,14 +107,14 @@ def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
     """Changed on resume, training.lr and weight_decay take effect like steps and warmup_steps do
     (they used to come back from the checkpoint silently): the logged lr is the new schedule's."""
     from plait.arguments import parse_args
-    from plait.train import lr_lambda
+    from plait.schedule import factor as lr_factor
 
     folder = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.interval", "3"]
     run_plait(tmp_path, "--training.steps", "3", *folder)
     new = ["--training.steps", "6", "--training.lr", "5e-4", "--training.weight_decay", "0.05"]
     resumed, proc = run_plait(tmp_path, *new, *folder)
     assert "resuming with training.lr 0.002 -> 0.0005, training.weight_decay 0.1 -> 0.05" in proc.stdout
-    factor = lr_lambda(parse_args([*TINY, *new]))
+    factor = lr_factor(parse_args([*TINY, *new]))
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["lr"] for r in resumed] == [5e-4 * factor(step - 1) for step in (4, 5, 6)]
 

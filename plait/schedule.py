@@ -1,0 +1,58 @@
+"""The learning-rate schedule: linear warmup to the peak, then one of
+
+- `cosine`: down to min_lr_ratio x the peak at the last step, along half a cosine;
+- `wsd` (warmup-stable-decay): the peak until the last decay_fraction of the steps, then down to
+  min_lr_ratio x the peak at the last step, along decay_shape. A run can be extended, or
+  annealed, at any step of its stable phase: the schedule is a function of this run's
+  options, so a resumed run with more steps decays later, from where it is;
+- `constant`: the peak.
+
+`factor(cfg)(done)` multiplies the peak for the step after `done` steps (LambdaLR's counter).
+"""
+
+from __future__ import annotations
+
+import math
+
+from plait.config import ConfigError, JobConfig
+
+DECAY_SHAPES = {"linear": lambda q: q, "sqrt": math.sqrt, "cosine": lambda q: (1 - math.cos(math.pi * q)) / 2}
+
+
+def decay_start(cfg: JobConfig) -> int:
+    """The last step at the peak under `wsd`: decay_fraction of the steps decay after it."""
+    t = cfg.training
+    return t.steps - round(t.decay_fraction * t.steps)
+
+
+def factor(cfg: JobConfig):
+    t = cfg.training
+    warmup, steps, floor, shape = t.warmup_steps, t.steps, t.min_lr_ratio, DECAY_SHAPES[t.decay_shape]
+    stable_until = decay_start(cfg)
+
+    def at(done: int) -> float:
+        step = done + 1
+        if step <= warmup:
+            return step / warmup
+        if t.lr_schedule == "constant":
+            return 1.0
+        if t.lr_schedule == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+            return floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2
+        if step <= stable_until:
+            return 1.0
+        return 1 - (1 - floor) * shape(min(1.0, (step - stable_until) / (steps - stable_until)))
+
+    return at
+
+
+def check_schedule(cfg: JobConfig) -> None:
+    t = cfg.training
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"training.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0 <= t.decay_fraction <= 1:
+        raise ConfigError(f"training.decay_fraction: must be in [0, 1], got {t.decay_fraction}")
+    if t.lr_schedule == "wsd" and decay_start(cfg) < t.warmup_steps:
+        raise ConfigError(f"training.decay_fraction: {t.decay_fraction} of {t.steps} steps would start the decay at "
+                          f"step {decay_start(cfg) + 1}, inside the {t.warmup_steps} warmup steps; lower it, or "
+                          f"training.warmup_steps")
