@@ -33,8 +33,8 @@ class DoctorConfig(JobConfig):
     json: str = ""
     """also write the checks and the numbers behind them to this JSON file"""
     budget_seconds: float = 0.0
-    """time for the measured checks (matmul speed, collectives); more time measures larger sizes and more
-    repeats; 0 = 12 s on CPUs, 150 s on GPUs (the whole doctor takes about twice that)"""
+    """time for the measured checks (matmul speed, collectives): more time measures larger sizes and more repeats;
+    0 = 12 s on CPUs, 150 s on GPUs (the whole doctor takes about twice that)"""
 
 
 def parse(argv: list[str]) -> DoctorConfig:
