@@ -80,7 +80,7 @@ TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 EXIT_CODES = "PLAIT_EXIT_CODES"  # the folder where workers leave their exit codes for launch_local
 
 
-def launch_local(argv: list[str], nproc: int, max_restarts: int, command: str = "train") -> int:
+def launch_local(argv: list[str], nproc: int, max_restarts: int, subcommand: str = "train") -> int:
     """`plait train --nproc N` (or `plait doctor --nproc N`): the same job under torchrun on this
     machine, with the exit code one process would have: 128 + the signal after a preemption, 1
     after an error, 0 done."""
@@ -95,7 +95,7 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int, command: str = 
             worker_argv.append(arg)
     # torchrun's agent handles SIGUSR1 too (by default it would die of it before its workers save).
     command = [sys.executable, "-m", "plait.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}", "-m", "plait", command,
+               f"--max-restarts={max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}", "-m", "plait", subcommand,
                *worker_argv]
     with tempfile.TemporaryDirectory(prefix="plait-exit-") as codes:
         job = subprocess.Popen(command, env={**os.environ, EXIT_CODES: codes})
@@ -178,15 +178,13 @@ def tokenize(argv: list[str]) -> int:
 
 def doctor(argv: list[str]) -> int:
     """Like `train`: one process per rank under torchrun (--nproc launches them here)."""
-    import copy
-
     from plait.doctor import parse, run
 
     cfg = parse(argv)
     if cfg.nproc > 1 and "RANK" not in os.environ:
         from plait.checks import check_options
 
-        check_options(copy.deepcopy(cfg), cfg.nproc)
+        check_options(cfg, cfg.nproc)
         return launch_local(argv, cfg.nproc, 0, "doctor")
     end_worker(run(cfg))
 

@@ -132,14 +132,21 @@ class Peak:
         return f"peak {self.flops / 1e12:.3g} TFLOP/s per device ({self.source})"
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> Peak:
-    """Peak matmul FLOP/s of one device in `dtype`: a data sheet for known GPUs, else measured
-    once on the model's linear layers and cached."""
+def data_sheet_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
+    """(the data sheet's peak FLOP/s in `dtype`, its source) for a GPU plait knows, else None."""
     if device.type == "cuda":
         name = device_name(device)
         for pattern, bf16, fp32 in GPU_PEAK_TFLOPS:
             if pattern in name:
-                return Peak((fp32 if dtype == torch.float32 else bf16) * 1e12, f"data sheet, {pattern}")
+                return (fp32 if dtype == torch.float32 else bf16) * 1e12, f"data sheet, {pattern}"
+    return None
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> Peak:
+    """Peak matmul FLOP/s of one device in `dtype`: a data sheet for known GPUs, else measured
+    once on the model's linear layers and cached."""
+    if sheet := data_sheet_flops(device, dtype):
+        return Peak(*sheet)
     path = peak_cache_file(device, dtype, shapes)
     flops = cached_file(path, lambda: measure_peak(device, dtype, shapes),
                         lambda value, tmp: tmp.write_text(json.dumps(value)), lambda p: json.loads(p.read_text()))

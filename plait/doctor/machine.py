@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from plait.doctor.report import FAIL, PASS, WARN, Check, odd_ones, rank_list, slow_ones
 from plait.float8 import native_float8
-from plait.hardware import GPU_PEAK_TFLOPS, device_name, native_bf16
+from plait.hardware import data_sheet_flops, device_name, native_bf16
 
 SLOW_RANK = 0.5  # a rank under half the median speed of its peers: throttled, or faulty
 LOW_SHARE = 0.3  # under 30% of the data sheet's peak at the largest shape: a misconfigured device
@@ -71,16 +71,6 @@ def hardware_checks(every: list[dict]) -> list[Check]:
     return checks
 
 
-def data_sheet_peak(device: torch.device, dtype: torch.dtype) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = device_name(device)
-    for pattern, bf16, fp32 in GPU_PEAK_TFLOPS:
-        if pattern in name:
-            return (fp32 if dtype == torch.float32 else bf16) * 1e12
-    return None
-
-
 def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float) -> float:
     """The best FLOP/s of square matmuls at a few large shapes, each repeated within its share of
     `seconds`; a shape one repeat of which would not fit (bf16 emulated on a CPU) is left out."""
@@ -116,7 +106,7 @@ def compute_checks(device: torch.device, seconds: float) -> list[Check]:
         slowest = every.index(min(every))
         text = f"median {median / 1e12:.3g} TFLOP/s per rank, slowest rank {slowest}: {every[slowest] / 1e12:.3g}"
         threshold = f"every rank >= {SLOW_RANK}x the median"
-        peak = data_sheet_peak(device, dtype)
+        peak = (data_sheet_flops(device, dtype) or (None,))[0]
         low = False
         if peak:
             text += f" ({median / peak:.0%} of the data sheet's {peak / 1e12:.4g})"
