@@ -8,6 +8,7 @@ from __future__ import annotations
 from plait.config import JobConfig, validate
 from plait.masking import check_attention
 from plait.parallel.context_parallel import check_context_parallel
+from plait.parallel.expert_parallel import check_expert_options
 from plait.parallel.pipeline import check_pipeline
 from plait.precision import resolve
 from plait.schedule import check_schedule
@@ -19,6 +20,7 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     validate(cfg, world)
     check_schedule(cfg)
     check_context_parallel(cfg)
+    check_expert_options(cfg)
     resolve(cfg)
     check_attention(cfg)
     if cfg.parallelism.pp > 1:

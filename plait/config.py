@@ -19,7 +19,8 @@ from typing import Literal
 
 
 Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b", "debug_qwen3", "debug_qwen2",
-                 "debug_olmo2", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b"]
+                 "debug_olmo2", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b", "debug_moe",
+                 "debug_moe_sigmoid", "small_moe", "qwen3_30b_a3b", "qwen3_235b_a22b"]
 ModelFlavor = Literal["auto", Flavor]
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -33,7 +34,8 @@ class Model:
     flavor: ModelFlavor = "auto"
     """model size: debug (tiny), small (~90M, CPU benchmarks), a real Llama 3 shape, a relative's small
     size (qwen3_0_6b, qwen2_5_0_5b, mistral_7b, olmo2_1b, smollm3_3b) or debug's shape with a relative's
-    switches (debug_qwen3, debug_qwen2, debug_olmo2); auto: the config.json of a Hugging Face folder given
+    switches (debug_qwen3, debug_qwen2, debug_olmo2); mixtures of experts: debug_moe (Qwen3-MoE's switches),
+    debug_moe_sigmoid (DeepSeek-V3's router), small_moe, qwen3_30b_a3b, qwen3_235b_a22b; auto: the config.json of a Hugging Face folder given
     as --checkpoint.load, else debug"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
@@ -91,6 +93,12 @@ class Training:
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """float8 matmuls in the blocks' linear layers (torchao's recipes: scales per tensor or per row; needs
     the .[float8] extra); master weights, attention, norms and the output layer stay as above"""
+    moe_aux_loss_coef: float = 0.001
+    """mixtures of experts with a softmax router: weight of the load-balancing loss (Switch Transformer's, the
+    mean over MoE layers) added to the gradient; 0 = none (it is logged either way)"""
+    moe_bias_rate: float = 0.001
+    """mixtures of experts with a sigmoid router: after each step every router bias moves by this towards
+    balance (up for experts under the mean load, down above it; DeepSeek-V3's auxiliary-loss-free balancing)"""
     eval_interval: int = 0
     """measure the validation loss (data.val_path) every N steps and at the last step; 0 = never"""
     eval_steps: int = 4
@@ -105,6 +113,10 @@ class Parallelism:
     """FSDP2 shard degree; -1 = whatever the world size leaves"""
     tp: int = 1
     """tensor-parallel degree"""
+    ep: int = 1
+    """expert-parallel degree (mixtures of experts): each MoE layer's experts split over ep ranks borrowed from
+    the data-parallel ranks (dp_shard x cp), tokens sent to their experts' ranks and back by all-to-all; FSDP2
+    shards expert parameters over the dp_shard x cp ranks ep leaves, the rest over all of them"""
     pp: int = 1
     """pipeline-parallel degree (the outermost mesh dimension)"""
     cp: int = 1
@@ -316,7 +328,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if cfg.model.flavor == "auto" and hf_start is None:
         cfg.model.flavor = "debug"
     cfg.data.tokenizer = job_tokenizer(cfg)
-    for name in ("dp_replicate", "tp", "pp", "cp"):
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
     if cfg.model.n_layers < 0:

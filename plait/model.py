@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.masking import additive
+from plait.moe import MoE, moe_layers
 from plait.shapes import FLAVORS, ModelArgs, model_args  # noqa: F401 (the model's interface)
 
 
@@ -208,7 +209,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, rope=index not in args.nope_layers)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        moe = args.n_experts and index not in args.dense_layers
+        self.feed_forward = MoE(args.dim, args) if moe else FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         # (mask and cache by keyword: tensor parallelism's input plan covers the positional inputs)
@@ -251,6 +253,9 @@ class Transformer(nn.Module):
         device = next(self.parameters()).device
         a = self.args
         self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
+        for moe in moe_layers(self):  # (a checkpoint's router biases are loaded after this)
+            for buffer in moe.buffers():
+                buffer.zero_()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,7 +289,7 @@ class Transformer(nn.Module):
             return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
         if name == "output.weight":
             return self.args.dim ** -0.5
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
@@ -310,21 +315,27 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+def num_params(model: nn.Module, exclude_embedding: bool = False, active: bool = False) -> int:
+    """Parameters of the model; `active`: those one token uses (top_k of each MoE layer's experts)."""
     total = sum(p.numel() for p in model.parameters())
     if exclude_embedding:
         total -= model.tok_embeddings.weight.numel()
+    if active:
+        for moe in moe_layers(model):
+            idle = 1 - moe.router.top_k / moe.n_experts
+            total -= round(idle * sum(p.numel() for p in moe.experts.parameters()))
     return total
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per non-embedding parameter plus attention scores.
+    """Training FLOPs per token: 6 per non-embedding parameter a token uses (of a mixture of
+    experts, its top_k experts) plus attention scores.
 
     Attention counts the full (not causal) seq x seq products, 12 * layers * dim * seq, the
     convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs.
     """
     with torch.device("meta"):
-        n = num_params(Transformer(args), exclude_embedding=True)
+        n = num_params(Transformer(args), exclude_embedding=True, active=True)
     tied_output = args.vocab_size * args.dim if args.tie_embeddings else 0  # a matmul, though no parameter of its own
     return 6 * (n + tied_output) + 12 * args.n_layers * args.dim * seq_len
 

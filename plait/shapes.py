@@ -37,10 +37,23 @@ class ModelArgs:
     # Mistral's window of keys per query. plait computes attention over the whole sequence, which
     # is the same model while sequences are no longer than the window; 0 = none.
     sliding_window: int = 0
+    # Mixture of experts (plait/moe.py): n_experts > 0 replaces the feed-forward of every block but
+    # dense_layers with top_k of n_experts SwiGLUs of moe_hidden each, plus n_shared_experts that
+    # every token goes through. router: "softmax" (then top k, renormalised if normalize_top_k;
+    # Qwen3-MoE, Mixtral) or "sigmoid" (a load-balancing bias steers the choice; DeepSeek-V3).
+    n_experts: int = 0
+    top_k: int = 0
+    moe_hidden: int = 0
+    n_shared_experts: int = 0
+    router: str = "softmax"
+    normalize_top_k: bool = True
+    route_scale: float = 1.0
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         # (a manifest's JSON gives a list back)
         object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         # Settled once, so a checkpoint's manifest records every number of the shape.
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
@@ -83,6 +96,23 @@ FLAVORS = {
     "smollm3_3b": ModelArgs(dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, vocab_size=128256, ffn_hidden=11008,
                             norm_eps=1e-6, rope_theta=5000000.0, max_seq_len=65536, tie_embeddings=True,
                             nope_layers=tuple(range(3, 36, 4)), family="smollm3"),
+    # Mixtures of experts: debug's shape with 8 experts of which each token takes 2 (Qwen3-MoE's
+    # switches), the same with DeepSeek-V3's router (sigmoid, a load-balancing bias, one shared
+    # expert; exported nowhere: plait has not DeepSeek's attention), a CPU benchmark size, and
+    # Qwen3-MoE's published shapes for `plait plan`.
+    "debug_moe": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                           qk_norm="head", n_experts=8, top_k=2, moe_hidden=64, family="qwen3_moe"),
+    "debug_moe_sigmoid": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                                   n_experts=8, top_k=2, moe_hidden=64, n_shared_experts=1, router="sigmoid",
+                                   family="plait_moe"),
+    "small_moe": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=0, qk_norm="head",
+                           n_experts=8, top_k=2, moe_hidden=512, family="qwen3_moe"),
+    "qwen3_30b_a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936, head_dim=128,
+                               ffn_hidden=6144, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, qk_norm="head",
+                               n_experts=128, top_k=8, moe_hidden=768, family="qwen3_moe"),
+    "qwen3_235b_a22b": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, vocab_size=151936, head_dim=128,
+                                 ffn_hidden=12288, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                                 qk_norm="head", n_experts=128, top_k=8, moe_hidden=1536, family="qwen3_moe"),
     "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                            multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
     "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,

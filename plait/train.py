@@ -24,11 +24,13 @@ from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_id
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
+from plait.expert_load import ExpertLoad
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
 from plait.masking import attention_kernel
 from plait.model import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, num_params
 from plait.parallel import BatchLayout
+from plait.parallel.expert_parallel import check_experts
 from plait.parallel.pipeline import Pipeline, microbatches
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
@@ -225,6 +227,7 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
     check_divisibility(args, cfg)
+    check_experts(args, cfg)
     float8.check_layers(args, cfg)
     identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)
@@ -299,6 +302,9 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                       f"{str(precision.compute).removeprefix('torch.')} (float8 pays off on GPUs with float8 tensor cores)",
                       flush=True)
 
+    forwards = microbatches(cfg) if pipeline else accum
+    expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate, loss_mesh.get_group(),
+                             pipeline.group if pipeline else None)
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     preemption = Preemption(device)
@@ -328,6 +334,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                         state_gib = state_memory_gib(model, optimizer)
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                experts = expert_load.step()
             if val_batches and (step % t.eval_interval == 0 or step == t.steps):
                 val_loss = evaluate(model, pipeline, val_batches, contexts, layout, loss_mesh.get_group())
             else:
@@ -342,6 +349,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                 row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                        "tokens_per_sec": tokens_per_sec, "mfu": utilisation.mfu(step, tokens_per_sec),
                        "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
+                row.update(experts)
                 if val_loss is not None:
                     row["val_loss"] = val_loss
                 logger.log(row)

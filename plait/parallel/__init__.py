@@ -21,6 +21,7 @@ from plait.parallel.activation_checkpoint import apply_ac
 from plait.parallel.context_parallel import BatchLayout, apply_cp  # noqa: F401 (BatchLayout: the package's interface)
 from plait.parallel.data_parallel import apply_fsdp
 from plait.parallel.ddp import apply_ddp
+from plait.parallel.expert_parallel import apply_ep, expert_mesh
 from plait.parallel.mesh import DP_DIMS, build_mesh, describe  # noqa: F401 (the package's interface)
 from plait.parallel.simple_fsdp import apply_simple_fsdp, compile_whole_model, raw_parameters
 from plait.parallel.tensor_parallel import apply_tp
@@ -55,10 +56,13 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
             block.forward = compiled_forward(block)
     if cfg.parallelism.tp > 1:  # start-up refuses TP with classic DDP
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
+    experts = expert_mesh(mesh, cfg.parallelism.ep) if cfg.parallelism.ep > 1 else None
+    if experts is not None:  # start-up allows ep with fsdp2 alone
+        apply_ep(model, experts["ep"])
     if backend == "simple_fsdp":
         apply_simple_fsdp(model, mesh, precision, cfg.parallelism.reshard_after_forward, ac, n_blocks)
     elif backend == "fsdp2":
-        apply_fsdp(model, mesh, precision, pipelined)
+        apply_fsdp(model, mesh, precision, pipelined, experts)
     model.to_empty(device=device)
     with raw_parameters():  # SimpleFSDP: write the stored shards, not gathered temporaries
         init_weights(model, cfg.training.seed)

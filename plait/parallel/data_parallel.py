@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from plait.float8 import ByteAllGather
+from plait.moe import MoE
 from plait.parallel.mesh import shard_dim
 from plait.precision import Precision
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelined: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelined: bool = False,
+               experts: DeviceMesh | None = None) -> nn.Module:
+    """`experts`: the experts' mesh under expert parallelism (plait/parallel/expert_parallel.py)."""
     policy = precision.fsdp_policy()
     # Each block is its own unit so only one block's full parameters exist at a time. The last
     # block is not resharded after forward: backward needs it immediately. Without a shard
@@ -35,10 +38,26 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelin
     dp_mesh = mesh[shard] if mesh["dp_replicate"].size() == 1 else mesh[("dp_replicate", shard)]
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=sharded and i < len(blocks) - 1)
+        reshard = sharded and i < len(blocks) - 1
+        if isinstance(block.feed_forward, MoE):
+            shard_moe(block.feed_forward, dp_mesh, policy, reshard, experts)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     # Embedding, final norm and output share the root unit.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     if precision.float8 != "none":  # float8 all-gather: the bytes as uint8 (gloo has no float8 type)
         for unit in [*blocks, model]:
             unit.set_custom_all_gather(ByteAllGather())
     return model
+
+
+def shard_moe(moe: MoE, dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy, reshard: bool,
+              experts: DeviceMesh | None) -> None:
+    """The router a unit of its own that is never cast (it scores in float32); under ep the experts
+    one on the experts' data-parallel ranks."""
+    fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=reshard,
+                mp_policy=MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype, cast_forward_inputs=False))
+    if experts is None:
+        return
+    replicate = experts["dp_replicate"].size() > 1
+    fully_shard(moe.experts, mesh=experts[("dp_replicate", "edp_shard")] if replicate else experts["edp_shard"],
+                mp_policy=policy, reshard_after_forward=reshard and experts["edp_shard"].size() > 1)

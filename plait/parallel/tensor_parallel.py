@@ -10,6 +10,11 @@ The switches of Llama's relatives follow their weights: q/k/v and w1/w3 biases s
 columns, wo and w2 biases are added once after the reduction; a per-head q/k norm (one weight
 shared by every head) is replicated and normalises the rank's heads; a q/k norm over the whole
 projection splits its weight with the heads and completes its mean square with one all-reduce.
+
+A mixture-of-experts layer is not split: its experts are whole on every TP rank (split them over
+ranks with parallelism.ep), which runs it on the whole sequence (gathered under SP, as the dense
+FFN's input is) and hands back its own part. Every TP rank computes the same routing, outputs and
+gradients, so its parameters need no reduction over TP.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from plait.config import ConfigError, JobConfig
 from plait.model import ModelArgs, TiedOutput
+from plait.moe import MoE
 
 
 def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
@@ -103,11 +109,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
-            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        if isinstance(block.feed_forward, MoE):
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(between,), use_local_output=True)
+        else:
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
+            plan["feed_forward.w1"] = plan["feed_forward.w3"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=between)
         if sequence_parallel:
             # After a sub-layer (post_norm) a norm's output meets the local residual stream.
             plan["attention_norm"] = SequenceParallel(use_local_output=block.post_norm)

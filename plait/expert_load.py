@@ -1,0 +1,52 @@
+"""The trainer's side of mixture-of-experts layers: the auxiliary loss's scale, each step's
+expert load gathered from every rank (logged, and what a sigmoid router's bias balances).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.moe import moe_layers
+from plait.shapes import ModelArgs
+
+
+class ExpertLoad:
+    """Per step: the auxiliary loss (mean over MoE layers, micro-batches and data-parallel ranks,
+    without its coefficient) and the fewest and most tokens any expert of any layer got in the
+    global batch (balanced: tokens x top_k / n_experts each). A model without experts logs none."""
+
+    def __init__(self, model: nn.Module, args: ModelArgs, forwards: int, coefficient: float, bias_rate: float,
+                 group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None):
+        self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
+        self.enabled = bool(args.n_experts)
+        n_moe = args.n_layers - len([i for i in args.dense_layers if i < args.n_layers])
+        self.mean_over = n_moe * forwards * dist.get_world_size(group)
+        self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group
+        for layer in self.layers:  # loss + coefficient x (the layers' mean), each micro-batch's share
+            layer.aux_scale = coefficient / (n_moe * forwards)
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        """Read (and reset) the step's counts from every rank; move sigmoid routers' biases."""
+        if not self.enabled:
+            return {}
+        device = self.layers[0].load.device if self.layers else torch.device("cpu")
+        loads = torch.stack([m.load for m in self.layers]) if self.layers else torch.zeros(0, 1, device=device)
+        aux = torch.stack([m.aux_sum for m in self.layers]).sum() if self.layers else torch.zeros((), device=device)
+        dist.all_reduce(loads, group=self.group)
+        dist.all_reduce(aux, group=self.group)
+        for layer, load in zip(self.layers, loads):
+            if layer.router.bias is not None:  # under the mean load: chosen more; over it: less
+                layer.router.bias += self.bias_rate * torch.sign(load.float().mean() - load.float())
+            layer.load.zero_()
+            layer.aux_sum.zero_()
+        big = torch.iinfo(torch.int64).max
+        extremes = torch.stack([loads.min() if loads.numel() else torch.tensor(big, device=device),
+                                -(loads.max() if loads.numel() else torch.tensor(0, device=device))])
+        if self.pp_group is not None:
+            dist.all_reduce(aux, group=self.pp_group)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=self.pp_group)
+        return {"aux_loss": aux.item() / self.mean_over, "expert_load_min": int(extremes[0]),
+                "expert_load_max": int(-extremes[1])}

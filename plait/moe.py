@@ -1,0 +1,149 @@
+"""A mixture-of-experts feed-forward layer in plain PyTorch: a router picks k of E experts per
+token, the experts run as grouped matmuls, and their outputs come back weighted.
+
+- Router: softmax over the experts then the top k, renormalised (Qwen3-MoE, Mixtral), or a
+  sigmoid per expert with a load-balancing bias that steers the choice but not the weights and no
+  auxiliary loss (DeepSeek-V3). Always in float32: a bf16 score would flip near-tied choices.
+  Ties go to the lower expert index (a stable sort), so every layout that computes the same
+  scores picks the same experts.
+- Dropless: every token reaches its k experts (no capacity factor), so routing never depends on
+  how tokens are split over ranks.
+- Experts: E SwiGLUs stored as [E, ...] tensors, run by `torch._grouped_mm` over the tokens
+  sorted by expert, in the compute dtype.
+- Auxiliary load-balancing loss (Switch Transformer's E * sum_e f_e * P_e): added to the
+  gradient in backward without touching the loss the model returns, so every schedule
+  (accumulation, pipelines) carries it as it carries the loss (the trainer sets its scale).
+
+No parallelism here: expert parallelism (plait/parallel/expert_parallel.py) replaces the experts'
+forward with one that sends tokens to the ranks that hold their experts and calls `swiglu_experts`
+with its local weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int, kind: str, normalize: bool, scale: float):
+        super().__init__()
+        self.top_k, self.kind, self.normalize, self.scale = top_k, kind, normalize, scale
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        # sigmoid: added to the scores to choose experts only; moved after each step towards balance
+        # (plait/metrics.py: ExpertLoad). A buffer: saved with the model, not trained.
+        self.register_buffer("bias", torch.zeros(n_experts) if kind == "sigmoid" else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (scores [tokens, E], chosen experts [tokens, k], their weights [tokens, k]), fp32."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.kind == "softmax" else logits.sigmoid()
+        choosing = scores if self.bias is None else scores + self.bias
+        experts = choosing.sort(dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        weights = scores.gather(-1, experts)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, experts, weights * self.scale
+
+
+def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU on its rows of x [tokens sorted by expert, dim]: `counts` [E] rows per
+    expert, weights [E, hidden, dim] (w1, w3) and [E, dim, hidden] (w2), local tensors.
+    Runs in x's dtype, or autocast's where it is on (grouped matmuls are not on autocast's lists)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    if x.is_cuda and dtype != torch.bfloat16:  # CUDA's grouped kernel is bf16-only
+        return torch.cat([F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b)
+                          for rows, a, b, c in zip(x.split(counts.tolist()), w1, w2, w3)])
+    hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offsets)) * torch._grouped_mm(x, w3.transpose(-2, -1), offsets)
+    return torch._grouped_mm(hidden, w2.transpose(-2, -1), offsets)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3)
+
+
+class AuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; in backward also sends `scale` as the gradient of `aux`: the
+    gradient of loss + scale * aux, with the loss left as the model's."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+def in_backward() -> bool:
+    """True while autograd runs backward: a checkpointed block's forward is being recomputed."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, args):
+        super().__init__()
+        self.n_experts = args.n_experts
+        self.router = Router(dim, args.n_experts, args.top_k, args.router, args.normalize_top_k, args.route_scale)
+        self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts)
+        self.shared = SharedExperts(dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None
+        self.aux_scale = 0.0  # set by the trainer: coefficient / (MoE layers x micro-batches)
+        # Of the training forwards since the trainer last read them: tokens per expert, and the sum
+        # of the auxiliary losses. Not saved.
+        self.register_buffer("load", torch.zeros(args.n_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, k = x.shape, self.router.top_k
+        x = x.reshape(-1, shape[-1])
+        scores, experts, weights = self.router(x)
+        flat = experts.flatten()
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, tokens in order
+        token = order // k
+        routed = self.experts(x[token], counts)
+        routed = routed * weights.flatten()[order, None].to(routed.dtype)
+        # Each token's outputs are added in ascending expert order (transformers' order too).
+        out = torch.zeros(x.shape[0], routed.shape[-1], dtype=routed.dtype, device=x.device).index_add_(0, token, routed)
+        if torch.is_grad_enabled() and not in_backward():  # a training forward, counted once
+            with torch.no_grad():
+                self.load += counts
+            if self.router.kind == "softmax":
+                # f_e: share of the token-slots expert e got; P_e: its mean score. Balanced: k.
+                aux = self.n_experts * (counts.float() / x.shape[0] * scores.mean(0)).sum()
+                self.aux_sum += aux.detach()
+                if self.aux_scale:
+                    out = AuxLoss.apply(out, aux, self.aux_scale)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+
+class SharedExperts(nn.Module):
+    """Experts every token goes through (DeepSeek-V3), as one SwiGLU."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]

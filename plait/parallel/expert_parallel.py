@@ -1,0 +1,124 @@
+"""Expert parallelism: each MoE layer's experts split over `ep` ranks, tokens sent to the ranks
+that hold their experts and back by all-to-all (uneven splits: dropless routing sends what it
+sends).
+
+ep borrows its ranks from the data-parallel ones (dp_shard x cp, as torchtitan does): those ranks
+read different tokens, so an expert's rank receives them from all its ep peers. The experts' own
+mesh splits dp_shard x cp into (edp_shard, ep): FSDP2 shards an expert's parameters over the
+edp_shard ranks ep leaves (x dp_replicate for HSDP), and every other parameter over all
+dp_shard x cp ranks, as without ep.
+
+Gradients: a rank's expert gradient sums what every token of its ep group contributed, each
+token's through its own rank's mean loss; the data-parallel mean divides by every data-parallel
+rank (dp_replicate x dp_shard x cp), where the experts' FSDP2 units divide by their own mesh's
+size, ep times fewer: the experts' backward divides by ep first (exact for ep a power of two).
+FSDP2's own divide factor would do it in the reduction, as NCCL's PREMUL_SUM, which gloo lacks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from plait.config import ConfigError, JobConfig
+from plait.moe import GroupedExperts, moe_layers, swiglu_experts
+from plait.shapes import ModelArgs
+
+
+def check_expert_options(cfg: JobConfig) -> None:
+    """What ep asks of the other options, the model aside (before any process group)."""
+    p = cfg.parallelism
+    if p.ep == 1:
+        return
+    if (p.dp_shard * p.cp) % p.ep:
+        raise ConfigError(f"parallelism.ep: {p.ep} must divide dp_shard x cp = {p.dp_shard * p.cp} (ep borrows its "
+                          f"ranks from them)")
+    if p.dp_backend != "fsdp2":
+        raise ConfigError(f"parallelism.ep: expert parallelism shards experts with fully_shard; allowed with "
+                          f"parallelism.dp_backend fsdp2 only, got {p.dp_backend}")
+
+
+def check_experts(args: ModelArgs, cfg: JobConfig) -> None:
+    """The model against ep and tp (after the model's shape is known)."""
+    p = cfg.parallelism
+    if not args.n_experts:
+        if p.ep > 1:
+            raise ConfigError(f"parallelism.ep: {p.ep} needs a mixture-of-experts model (e.g. --model.flavor "
+                              f"debug_moe); this model is dense")
+        return
+    if args.n_experts % p.ep:
+        raise ConfigError(f"parallelism.ep: {p.ep} must divide the model's {args.n_experts} experts")
+    if p.dp_backend == "simple_fsdp":
+        raise ConfigError("parallelism.dp_backend: simple_fsdp casts every parameter to the compute dtype, the "
+                          "router's too, which runs in float32; allowed for mixtures of experts: fsdp2, ddp")
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The experts' mesh (pp, dp_replicate, edp_shard, ep, tp): the job's with dp_shard x cp
+    (adjacent, so their ranks are contiguous) split into edp_shard x ep. Every rank builds it."""
+    pp, replicate, shard, cp, tp = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(pp, replicate, shard * cp // ep, ep, tp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"))
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Keep this rank's experts of every MoE layer (a DTensor sharded on the expert dimension) and
+    route each layer's tokens to the ranks of their experts. On the meta device, before FSDP2."""
+    for moe in moe_layers(model):
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            local = param.new_empty(param.shape[0] // ep_mesh.size(), *param.shape[1:])
+            experts.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
+        experts.forward = DispatchedExperts(experts, ep_mesh.get_group())
+
+
+class DispatchedExperts:
+    """The experts' forward under ep: (tokens sorted by expert, counts per expert, all E) in and
+    out as without ep; in between, each rank runs its own experts on every token sent to them."""
+
+    def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup):
+        self.experts, self.group = [experts], group  # (a list: not a submodule)
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, experts = dist.get_world_size(self.group), self.experts[0]
+        local = counts.numel() // ep
+        with torch.no_grad():  # received[i, e]: how many tokens rank i sends to my expert e
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts, group=self.group)
+            received = received.view(ep, local)
+        send, receive = counts.view(ep, local).sum(1).tolist(), received.sum(1).tolist()
+        tokens = all_to_all_single_autograd(x, receive, send, self.group)
+        # Arrived grouped by sender, then expert; the experts want them grouped by expert, then
+        # sender: each expert's tokens in the order the ranks hold them, as on one device.
+        order = regroup(received)
+        weights = (ScaleGradient.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3))
+        out = swiglu_experts(tokens[order], received.sum(0), *weights)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return all_to_all_single_autograd(out[back], send, receive, self.group)
+
+
+class ScaleGradient(torch.autograd.Function):
+    """x unchanged; its gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def regroup(received: torch.Tensor) -> torch.Tensor:
+    """The permutation that takes rows grouped (sender, expert) to rows grouped (expert, sender),
+    given the count of each (sender, expert) group [senders, experts]."""
+    starts = (received.flatten().cumsum(0) - received.flatten()).view_as(received)
+    counts, starts = received.t().flatten(), starts.t().flatten()
+    within = torch.arange(int(counts.sum()), device=counts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    return torch.repeat_interleave(starts, counts) + within
