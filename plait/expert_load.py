@@ -20,7 +20,7 @@ class ExpertLoad:
     def __init__(self, model: nn.Module, args: ModelArgs, forwards: int, coefficient: float, bias_rate: float,
                  group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None):
         self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
-        self.enabled = bool(args.n_experts)
+        self.enabled, self.aux = bool(args.n_experts), args.router == "softmax"
         n_moe = args.n_layers - len([i for i in args.dense_layers if i < args.n_layers])
         self.mean_over = n_moe * forwards * dist.get_world_size(group)
         self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group
@@ -32,21 +32,22 @@ class ExpertLoad:
         """Read (and reset) the step's counts from every rank; move sigmoid routers' biases."""
         if not self.enabled:
             return {}
-        device = self.layers[0].load.device if self.layers else torch.device("cpu")
-        loads = torch.stack([m.load for m in self.layers]) if self.layers else torch.zeros(0, 1, device=device)
-        aux = torch.stack([m.aux_sum for m in self.layers]).sum() if self.layers else torch.zeros((), device=device)
+        device = self.layers[0].router.gate.weight.device if self.layers else torch.device("cpu")
+        per_layer = [(torch.stack([c for c, _ in m.records]).sum(0), sum(a for _, a in m.records if a is not None))
+                     for m in self.layers]
+        loads = torch.stack([load for load, _ in per_layer]) if per_layer else torch.zeros(0, 1, device=device)
+        aux = torch.as_tensor(sum(a for _, a in per_layer), dtype=torch.float32, device=device)
         dist.all_reduce(loads, group=self.group)
         dist.all_reduce(aux, group=self.group)
         for layer, load in zip(self.layers, loads):
             if layer.router.bias is not None:  # under the mean load: chosen more; over it: less
                 layer.router.bias += self.bias_rate * torch.sign(load.float().mean() - load.float())
-            layer.load.zero_()
-            layer.aux_sum.zero_()
+            layer.records.clear()
         big = torch.iinfo(torch.int64).max
         extremes = torch.stack([loads.min() if loads.numel() else torch.tensor(big, device=device),
                                 -(loads.max() if loads.numel() else torch.tensor(0, device=device))])
         if self.pp_group is not None:
             dist.all_reduce(aux, group=self.pp_group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=self.pp_group)
-        return {"aux_loss": aux.item() / self.mean_over, "expert_load_min": int(extremes[0]),
-                "expert_load_max": int(-extremes[1])}
+        return {**({"aux_loss": aux.item() / self.mean_over} if self.aux else {}),
+                "expert_load_min": int(extremes[0]), "expert_load_max": int(-extremes[1])}

@@ -82,6 +82,8 @@ def layer_plan(args: ModelArgs, tp: int) -> dict[str, str]:
             rows, cols = (rows, cols // tp) if name.endswith(("wo", "w2")) else (rows // tp, cols)
         if not name.startswith("layers."):
             plan[name] = "the output layer stays in the compute dtype (its logits feed the softmax directly)"
+        elif name.endswith("router.gate"):
+            plan[name] = "a router scores in float32 (a rounded score flips near-tied choices of experts)"
         elif rows % MULTIPLE or cols % MULTIPLE:
             plan[name] = f"its {'per-rank ' * (tp > 1)}weight {rows}x{cols} is not a multiple of {MULTIPLE} in both dimensions"
         else:
@@ -115,8 +117,10 @@ def summary(args: ModelArgs, cfg: JobConfig, device: torch.device) -> str:
     gather = "" if p.dp_shard * p.cp == 1 or p.dp_backend != "fsdp2" else \
         " | float8 all-gather of parameters" if fsdp_all_gather(cfg) else \
         " | parameters all-gathered in the compute dtype (float8 all-gather takes tensorwise scales)"
+    experts = " | experts' grouped matmuls stay in the compute dtype (torch 2.13's float8 grouped matmul has no " \
+              "CPU kernel)" if args.n_experts else ""
     return (f"float8 {cfg.training.float8}: {converted} of {len(plan)} linear layers run float8 matmuls"
-            f"{'; ' + excluded if excluded else ''}{gather} | {'native' if native else 'emulated'}: {why}")
+            f"{'; ' + excluded if excluded else ''}{gather}{experts} | {'native' if native else 'emulated'}: {why}")
 
 
 def fsdp_all_gather(cfg: JobConfig) -> bool:

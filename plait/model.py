@@ -254,8 +254,8 @@ class Transformer(nn.Module):
         a = self.args
         self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
         for moe in moe_layers(self):  # (a checkpoint's router biases are loaded after this)
-            for buffer in moe.buffers():
-                buffer.zero_()
+            if moe.router.bias is not None:
+                moe.router.bias.zero_()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:

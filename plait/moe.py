@@ -3,7 +3,9 @@ token, the experts run as grouped matmuls, and their outputs come back weighted.
 
 - Router: softmax over the experts then the top k, renormalised (Qwen3-MoE, Mixtral), or a
   sigmoid per expert with a load-balancing bias that steers the choice but not the weights and no
-  auxiliary loss (DeepSeek-V3). Always in float32: a bf16 score would flip near-tied choices.
+  auxiliary loss (DeepSeek-V3). Always in float32, the gate's matmul included: a bf16 score would
+  flip near-tied choices. (Its operands are what the block holds: under bf16 param mode the
+  gate's weight arrives cast as the block's others do, as in torchtitan and transformers.)
   Ties go to the lower expert index (a stable sort), so every layout that computes the same
   scores picks the same experts.
 - Dropless: every token reaches its k experts (no capacity factor), so routing never depends on
@@ -32,7 +34,7 @@ class Router(nn.Module):
         self.top_k, self.kind, self.normalize, self.scale = top_k, kind, normalize, scale
         self.gate = nn.Linear(dim, n_experts, bias=False)
         # sigmoid: added to the scores to choose experts only; moved after each step towards balance
-        # (plait/metrics.py: ExpertLoad). A buffer: saved with the model, not trained.
+        # (plait/expert_load.py). A buffer: saved with the model, not trained.
         self.register_buffer("bias", torch.zeros(n_experts) if kind == "sigmoid" else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,7 +58,8 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     offsets = counts.cumsum(0, dtype=torch.int32)
-    if x.is_cuda and dtype != torch.bfloat16:  # CUDA's grouped kernel is bf16-only
+    if dtype != torch.bfloat16 and (x.is_cuda or torch.compiler.is_compiling()):
+        # CUDA's grouped kernel is bf16-only, and so is the shape function the compiler traces with
         return torch.cat([F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b)
                           for rows, a, b, c in zip(x.split(counts.tolist()), w1, w2, w3)])
     hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offsets)) * torch._grouped_mm(x, w3.transpose(-2, -1), offsets)
@@ -89,7 +92,8 @@ class AuxLoss(torch.autograd.Function):
 
 
 def in_backward() -> bool:
-    """True while autograd runs backward: a checkpointed block's forward is being recomputed."""
+    """True while autograd runs backward: a checkpointed block's forward is being recomputed
+    (eagerly; a compiled block's recomputation does not re-run this Python)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -101,10 +105,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts)
         self.shared = SharedExperts(dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None
         self.aux_scale = 0.0  # set by the trainer: coefficient / (MoE layers x micro-batches)
-        # Of the training forwards since the trainer last read them: tokens per expert, and the sum
-        # of the auxiliary losses. Not saved.
-        self.register_buffer("load", torch.zeros(args.n_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
+        # (tokens per expert, auxiliary loss or None) of each training forward since the trainer
+        # last read them (plait/expert_load.py)
+        self.records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, k = x.shape, self.router.top_k
@@ -118,15 +121,15 @@ class MoE(nn.Module):
         routed = routed * weights.flatten()[order, None].to(routed.dtype)
         # Each token's outputs are added in ascending expert order (transformers' order too).
         out = torch.zeros(x.shape[0], routed.shape[-1], dtype=routed.dtype, device=x.device).index_add_(0, token, routed)
-        if torch.is_grad_enabled() and not in_backward():  # a training forward, counted once
-            with torch.no_grad():
-                self.load += counts
-            if self.router.kind == "softmax":
-                # f_e: share of the token-slots expert e got; P_e: its mean score. Balanced: k.
-                aux = self.n_experts * (counts.float() / x.shape[0] * scores.mean(0)).sum()
-                self.aux_sum += aux.detach()
-                if self.aux_scale:
-                    out = AuxLoss.apply(out, aux, self.aux_scale)
+        if torch.is_grad_enabled():
+            # The same ops in a checkpointed block's recomputation (its saved tensors must match),
+            # but the step's record is kept once.
+            aux = self.n_experts * (counts.float() / x.shape[0] * scores.mean(0)).sum() \
+                if self.router.kind == "softmax" else None
+            if torch.compiler.is_compiling() or not in_backward():
+                self.records.append((counts, None if aux is None else aux.detach()))
+            if aux is not None and self.aux_scale:
+                out = AuxLoss.apply(out, aux, self.aux_scale)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)

@@ -177,6 +177,8 @@ FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
+MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
+EP2 = ["--parallelism.ep", "2"]
 
 
 def pp_schedule(name: str) -> list[str]:
@@ -260,10 +262,28 @@ LAYOUTS = {
     "pp_qwen2": (2, [*QWEN2, *PP2]),
     "single_olmo2": (1, [*OLMO2, "--training.micro_batch_size", "2"]),
     "tp_olmo2": (2, [*OLMO2, *degrees(1, 1, tp=2)]),
+    # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
+    # load-balancing loss is taken over each forward's tokens, so a row's reference forwards the
+    # same sequences together: 2 per forward (single_moe) or 1 (single_moe_mb1, the world-4 rows
+    # whose ranks hold 1 sequence each).
+    "single_moe": (1, [*MOE, "--training.micro_batch_size", "2"]),
+    "single_moe_mb1": (1, [*MOE, "--training.micro_batch_size", "1"]),
+    "ep2_moe": (2, [*MOE, *EP2]),
+    "tp_moe": (2, [*MOE, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "ep2_fsdp2_moe": (4, [*MOE, *EP2]),
+    "ep2_hsdp_moe": (4, [*MOE, *EP2, *degrees(2, 2)]),
+    "ep2_tp2_moe": (4, [*MOE, *EP2, *degrees(1, 2, tp=2)]),
+    "pp_ep2_moe": (4, [*MOE, *EP2, *PP2]),
+    "single_moe_sigmoid": (1, [*SIGMOID, "--training.micro_batch_size", "2"]),
+    "ep2_moe_sigmoid": (2, [*SIGMOID, *EP2]),
 }
 
 
 def reference(args: list[str]) -> str:
+    if SIGMOID[1] in args:
+        return "single_moe_sigmoid"
+    if MOE[1] in args:  # (the rows whose ranks forward 1 sequence at a time are named in ONE_PER_FORWARD)
+        return "single_moe"
     if QWEN3[0] in args:
         return f"single_{args[args.index(QWEN3[0]) + 1].removeprefix('debug_')}{'_tied' * (TIED[0] in args)}"
     if FLOAT8[0] in args:
@@ -273,7 +293,8 @@ def reference(args: list[str]) -> str:
     return "single_tied" if TIED[0] in args else "single_causal" if CAUSAL[1] in args else "single"
 
 
-REFERENCE = {name: reference(args) for name, (_, args) in LAYOUTS.items()}
+ONE_PER_FORWARD = ("ep2_fsdp2_moe", "ep2_hsdp_moe", "pp_ep2_moe")
+REFERENCE = {name: "single_moe_mb1" if name in ONE_PER_FORWARD else reference(args) for name, (_, args) in LAYOUTS.items()}
 
 
 def validation_text() -> str:

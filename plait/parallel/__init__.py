@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait import float8
 from plait.config import JobConfig
 from plait.model import ModelArgs, Transformer
+from plait.moe import MoE
 from plait.parallel.activation_checkpoint import apply_ac
 from plait.parallel.context_parallel import BatchLayout, apply_cp  # noqa: F401 (BatchLayout: the package's interface)
 from plait.parallel.data_parallel import apply_fsdp
@@ -81,7 +82,9 @@ def compiled_forward(block: nn.Module):
     first block its output as an AsyncCollectiveTensor (its all-reduce not yet waited on), and a
     compiled graph given one returns no gradient for it: the embedding trained on zeros (torch
     2.13, fp32 and bf16, with or without SP). `wait_tensor` is differentiable and copies nothing."""
-    compiled = torch.compile(block.forward, fullgraph=True)
+    # A mixture of experts breaks the graph where its token counts become sizes (all-to-all
+    # splits, grouped matmul offsets under ep; the step's load record): compiled in pieces.
+    compiled = torch.compile(block.forward, fullgraph=not isinstance(block.feed_forward, MoE))
 
     def forward(x, *args, **kwargs):
         if isinstance(x, AsyncCollectiveTensor):

@@ -39,6 +39,13 @@ SAVED_OPS = MATMULS | {torch.ops._c10d_functional.reduce_scatter_tensor.default,
                       torch.ops._c10d_functional.all_reduce.default}
 
 
+# An FSDP2 unit inside a block (the experts under ep) opens profiler ranges in its hooks, more of
+# them when a recomputation meets it in backward than in forward; they hold no tensors, so the
+# checkpoint need not match them (as it does not match detach).
+torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
+                                          torch.ops.profiler._record_function_exit._RecordFunction}
+
+
 # MUST_*, not PREFER_*: under torch.compile the partitioner would otherwise decide for itself.
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.MUST_RECOMPUTE

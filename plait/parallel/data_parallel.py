@@ -39,8 +39,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelin
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         reshard = sharded and i < len(blocks) - 1
-        if isinstance(block.feed_forward, MoE):
-            shard_moe(block.feed_forward, dp_mesh, policy, reshard, experts)
+        if experts is not None and isinstance(block.feed_forward, MoE):
+            shard_experts(block.feed_forward, experts, policy, reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     # Embedding, final norm and output share the root unit.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
@@ -50,14 +50,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelin
     return model
 
 
-def shard_moe(moe: MoE, dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy, reshard: bool,
-              experts: DeviceMesh | None) -> None:
-    """The router a unit of its own that is never cast (it scores in float32); under ep the experts
-    one on the experts' data-parallel ranks."""
-    fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=reshard,
-                mp_policy=MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype, cast_forward_inputs=False))
-    if experts is None:
-        return
+def shard_experts(moe: MoE, experts: DeviceMesh, policy: MixedPrecisionPolicy, reshard: bool) -> None:
+    """Under ep, the experts a unit of their own on the experts' data-parallel ranks."""
     replicate = experts["dp_replicate"].size() > 1
     fully_shard(moe.experts, mesh=experts[("dp_replicate", "edp_shard")] if replicate else experts["edp_shard"],
                 mp_policy=policy, reshard_after_forward=reshard and experts["edp_shard"].size() > 1)

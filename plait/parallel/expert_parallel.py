@@ -34,12 +34,12 @@ def check_expert_options(cfg: JobConfig) -> None:
     p = cfg.parallelism
     if p.ep == 1:
         return
-    if (p.dp_shard * p.cp) % p.ep:
-        raise ConfigError(f"parallelism.ep: {p.ep} must divide dp_shard x cp = {p.dp_shard * p.cp} (ep borrows its "
-                          f"ranks from them)")
     if p.dp_backend != "fsdp2":
         raise ConfigError(f"parallelism.ep: expert parallelism shards experts with fully_shard; allowed with "
                           f"parallelism.dp_backend fsdp2 only, got {p.dp_backend}")
+    if (p.dp_shard * p.cp) % p.ep:
+        raise ConfigError(f"parallelism.ep: {p.ep} must divide dp_shard x cp = {p.dp_shard * p.cp} (ep borrows its "
+                          f"ranks from them)")
 
 
 def check_experts(args: ModelArgs, cfg: JobConfig) -> None:

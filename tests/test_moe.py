@@ -1,0 +1,143 @@
+"""Mixtures of experts: the layer against a per-expert loop, routing rules, the auxiliary loss's
+gradient, expert parallelism's regrouping, what the shared runs' metrics, probe and traces show,
+and the refusals. Parity against the single device is in test_parity (conftest's *_moe rows)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import BF16, LAYOUTS, MOE, STEPS, layout_run, run_plait
+from plait.cli import main
+from plait.model import Transformer, model_args, num_params
+from plait.moe import AuxLoss, Router, swiglu_experts
+from plait.parallel.expert_parallel import regroup
+from plait.proof.trace import summarise
+from plait.shapes import FLAVORS
+
+
+def per_expert_loop(x, counts, w1, w2, w3):
+    return torch.cat([F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b)
+                      for rows, a, b, c in zip(x.split(counts.tolist()), w1, w2, w3)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_a_loop_over_experts_forward_and_backward(dtype):
+    """Each expert's rows multiplied as by their own matmuls (an expert without tokens included), to
+    the dtype's rounding (torch.testing's defaults): the grouped kernel need not block the sums as
+    this CPU's F.linear does."""
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 3, 8])
+    x = torch.randn(16, 32, dtype=dtype, requires_grad=True)
+    weights = [torch.randn(4, *shape, dtype=dtype, requires_grad=True) for shape in ((24, 32), (32, 24), (24, 32))]
+    grouped = swiglu_experts(x, counts, *weights)
+    upstream = torch.randn_like(grouped)  # (a real gradient: torch 2.13's grouped backward refuses a stride-0 one)
+    grouped.backward(upstream)
+    grads = [t.grad.clone() for t in (x, *weights)]
+    for t in (x, *weights):
+        t.grad = None
+    looped = per_expert_loop(x, counts, *weights)
+    looped.backward(upstream)
+    torch.testing.assert_close(grouped, looped)
+    for got, want in zip(grads, [t.grad for t in (x, *weights)]):
+        torch.testing.assert_close(got, want)
+
+
+def test_router_breaks_ties_to_the_lower_expert_and_renormalises():
+    router = Router(4, 4, 2, "softmax", True, 1.0)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.tensor([[0.0] * 4, [1.0] * 4, [1.0] * 4, [1.0] * 4]))
+    scores, experts, weights = router(torch.ones(1, 4))
+    assert experts.tolist() == [[1, 2]]  # experts 1, 2 and 3 tie: the two lowest
+    assert scores.dtype == weights.dtype == torch.float32
+    assert torch.allclose(weights, torch.tensor([[0.5, 0.5]]))
+
+
+def test_sigmoid_router_bias_steers_the_choice_not_the_weights():
+    router = Router(4, 4, 1, "sigmoid", False, 1.0)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(4))
+        router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    x = torch.tensor([[2.0, 0.0, 0.0, 0.0]])
+    scores, experts, weights = router(x)
+    assert experts.tolist() == [[3]]  # sigmoid(2) = 0.88 < sigmoid(0) + 1
+    assert weights.item() == scores[0, 3].item() == 0.5
+
+
+def test_aux_loss_adds_its_gradient_and_leaves_the_output():
+    a = torch.randn(3, requires_grad=True)
+    out = a * 2
+    aux = (a ** 2).sum()
+    same = AuxLoss.apply(out, aux, 0.25)
+    assert torch.equal(same, out)
+    same.sum().backward()
+    assert torch.allclose(a.grad, 2 + 0.25 * 2 * a.detach())
+
+
+def test_regroup_orders_tokens_by_expert_then_sender():
+    received = torch.tensor([[2, 1], [0, 3]])  # sender 0: 2 for expert 0, 1 for expert 1; sender 1: 0, 3
+    rows = ["s0e0", "s0e0", "s0e1", "s1e1", "s1e1", "s1e1"]
+    assert [rows[i] for i in regroup(received).tolist()] == ["s0e0", "s0e0", "s0e1", "s1e1", "s1e1", "s1e1"]
+    received = torch.tensor([[1, 1], [2, 1]])
+    rows = ["s0e0", "s0e1", "s1e0", "s1e0", "s1e1"]
+    assert [rows[i] for i in regroup(received).tolist()] == ["s0e0", "s1e0", "s1e0", "s0e1", "s1e1"]
+
+
+def test_qwen3_30b_a3b_has_its_published_parameter_counts():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (its model card, which truncates 3.35B)."""
+    with torch.device("meta"):
+        model = Transformer(model_args("qwen3_30b_a3b", 151936))
+    assert round(num_params(model) / 1e9, 1) == 30.5
+    assert 3.3e9 <= num_params(model, active=True) < 3.4e9
+
+
+def test_the_expert_metrics_are_logged_and_the_load_counts_every_token(train_once):
+    """Every step logs the auxiliary loss (k = 2 when balanced; a uniform router is exactly k) and
+    the fewest/most token-slots of an expert over the global batch: 4 sequences x 64 tokens x
+    top 2 over 8 experts is 64 each when balanced."""
+    for name in ("single_moe", "ep2_moe", "ep2_fsdp2_moe"):
+        rows, _ = layout_run(train_once, name)
+        for row in rows:
+            assert 2 <= row["aux_loss"] < 2.2, (name, row)
+            assert 0 < row["expert_load_min"] <= 64 <= row["expert_load_max"] < 4 * 64 * 2, (name, row)
+    sigmoid, _ = layout_run(train_once, "ep2_moe_sigmoid")
+    assert "aux_loss" not in sigmoid[0] and sigmoid[0]["expert_load_min"] <= 64
+
+
+def test_experts_multiply_in_bf16_and_the_router_in_fp32(train_once):
+    """The dtype probe of the EP2 bf16 run: grouped matmuls in bf16 in forward and backward; the
+    only fp32 matmuls of forward are the routers' (one per MoE layer and micro-batch)."""
+    _, probe = layout_run(train_once, "ep2_moe", BF16)
+    matmuls = [r for r in probe if r["kind"] == "matmul"]
+    grouped = {(r["phase"], r["dtypes"]) for r in matmuls if r["op"] == "_grouped_mm"}
+    assert grouped == {("forward", "bfloat16"), ("backward", "bfloat16")}
+    fp32 = [r for r in matmuls if r["phase"] == "forward" and r["dtypes"] == "float32"]
+    assert [(r["op"], r["count"]) for r in fp32] == [("mm", 2)]
+
+
+def test_expert_parallelism_all_to_alls_in_forward_and_backward_in_bf16(train_once, capsys):
+    """The EP2 bf16 run's trace: per MoE layer (2) and step, forward sends the token counts (int64),
+    then tokens out and results back (bf16); backward sends both gradients back (bf16)."""
+    layout_run(train_once, "ep2_moe", BF16)
+    world, args = LAYOUTS["ep2_moe"]
+    folder = train_once.traces[(world, (*STEPS, *args, *BF16))]
+    rows = {(r["phase"], r["dtype"]): r["calls_per_step"] for r in summarise(folder) if r["kind"] == "all_to_all"}
+    assert rows == {("forward", "int64"): 2, ("forward", "bfloat16"): 4, ("backward", "bfloat16"): 4}, rows
+    assert main(["trace", str(folder), "--expect", "forward:all_to_all:bf16=4", "--expect",
+                 "backward:all_to_all:bf16=4"]) == 0
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (["--parallelism.ep", "2"], "needs a mixture-of-experts model"),
+    ([*MOE, "--parallelism.ep", "3"], "must divide dp_shard x cp"),
+    ([*MOE, "--parallelism.ep", "2", "--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2",
+      "--parallelism.dp_shard", "1"], "allowed with parallelism.dp_backend fsdp2 only"),
+    ([*MOE, "--parallelism.dp_backend", "simple_fsdp"], "allowed for mixtures of experts: fsdp2, ddp"),
+])
+def test_bad_expert_options_fail_at_start_up_with_one_line(tmp_path, options, fragment):
+    _, proc = run_plait(tmp_path, *options, check=False, nproc=2)
+    assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_moe_flavors_are_mixtures_of_experts():
+    for name in ("debug_moe", "debug_moe_sigmoid", "small_moe", "qwen3_30b_a3b", "qwen3_235b_a22b"):
+        assert FLAVORS[name].n_experts and FLAVORS[name].top_k < FLAVORS[name].n_experts
