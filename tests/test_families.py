@@ -1,6 +1,7 @@
 """Llama's relatives in and out: Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k norm, tied),
-Mistral, OLMo 2 (norms after each sub-layer, q/k norm over the projection, attention biases)
-and SmolLM3 (a block without RoPE), each a tiny random model made by transformers itself.
+Mistral, OLMo 2 (norms after each sub-layer, q/k norm over the projection, attention biases),
+SmolLM3 (a block without RoPE) and Qwen3-MoE (experts, and a dense block among them), each a
+tiny random model made by transformers itself.
 
 plait builds each from its config.json alone: its logits equal transformers', greedy
 `plait generate --ids` gives transformers' greedy tokens, import then export is bitwise with
@@ -28,6 +29,9 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
     "mistral": ("MistralConfig", dict(sliding_window=4096)),  # Mistral 7B v0.1's window: longer than any test sequence
     "olmo2": ("Olmo2Config", dict(attention_bias=True)),
     "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=4, tie_word_embeddings=True)),  # block 3 has no RoPE
+    # 4 experts, each token to 2; block 1 dense (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         mlp_only_layers=[1], norm_topk_prob=True)),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 

@@ -52,7 +52,8 @@ def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
 
 # model_type -> the architecture transformers builds for it. Each is Llama with switches.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
 UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "attention soft-capping",
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
@@ -65,8 +66,16 @@ def family_switches(config: dict, family: str) -> dict:
     switches = {"qkv_bias": attention_bias, "out_bias": attention_bias, "ffn_bias": bool(config.get("mlp_bias"))}
     if family == "qwen2":  # biases on q, k and v always, none on the output projection
         switches |= {"qkv_bias": True, "out_bias": False}
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         switches["qk_norm"] = "head"
+    if family == "qwen3_moe":  # a block is sparse unless listed in mlp_only_layers or off decoder_sparse_step
+        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+        experts = config.get("num_experts") or config["num_local_experts"]  # (transformers 4's name, and 5's)
+        switches |= {"n_experts": experts, "top_k": config["num_experts_per_tok"],
+                     "moe_hidden": config["moe_intermediate_size"],
+                     "normalize_top_k": bool(config.get("norm_topk_prob", True)),
+                     "dense_layers": tuple(i for i in range(config["num_hidden_layers"])
+                                           if i in dense or (i + 1) % step)}
     if family == "olmo2":
         switches |= {"qk_norm": "projection", "post_norm": True}
     if family == "smollm3" and config.get("no_rope_layers"):  # 1 = this block uses RoPE
@@ -83,7 +92,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     if family not in FAMILIES:
         raise ConfigError(f"{where} holds a model_type {family!r} model; plait reads {', '.join(FAMILIES)}")
     for field, what in UNSUPPORTED.items():
-        if config.get(field):
+        if config.get(field) and not (family == "qwen3_moe" and what == "mixture of experts"):
             raise ConfigError(f"{where} sets {field} ({what}), which plait does not compute; allowed: unset, "
                               "null or false")
     if config.get("hidden_act", "silu") != "silu":
@@ -108,6 +117,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     """config.json of `args` in the classic layout, which transformers 4 and 5 both read: the
     fields of the source folder's config.json (`source`, when the run started from one; its
     special token ids too) with every field plait computes written over them."""
+    if args.family not in FAMILIES:
+        raise ConfigError(f"checkpoint: a {args.family} model has no Hugging Face architecture plait writes "
+                          f"(DeepSeek-V3's router and shared experts come with an attention plait does not have); "
+                          f"exported families: {', '.join(FAMILIES)}")
     if args.qkv_bias != args.out_bias and args.family != "qwen2":
         raise ConfigError(f"checkpoint: a {args.family} config.json has one attention_bias for q/k/v and the output "
                           "projection; this model has biases on only some")
@@ -125,6 +138,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed["no_rope_layers"] = [int(i not in args.nope_layers) for i in range(args.n_layers)]
     if args.family == "mistral":
         computed["sliding_window"] = args.sliding_window or None
+    if args.family == "qwen3_moe":
+        computed |= {"num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "decoder_sparse_step": 1,
+                     "moe_intermediate_size": args.moe_hidden, "norm_topk_prob": args.normalize_top_k,
+                     "mlp_only_layers": list(args.dense_layers)}
     # transformers 5 writes rope_parameters and dtype; the source's would contradict the fields above.
     kept = {k: v for k, v in (source or {}).items() if k not in ("rope_parameters", "dtype")}
     # (the source's special token ids win; without one, no padding token: some families default to one)

@@ -7,6 +7,9 @@ Parameter names (plait -> Hugging Face):
     layers.N.attention.{q,k}_norm.weight    -> model.layers.N.self_attn.{q,k}_norm.weight (per head)
     layers.N.attention.{q,k}_proj_norm.weight -> model.layers.N.self_attn.{q,k}_norm.weight (whole projection)
     layers.N.feed_forward.w1/w3/w2.{weight,bias} -> model.layers.N.mlp.gate_proj/up_proj/down_proj.{...}
+    layers.N.feed_forward.router.gate.weight -> model.layers.N.mlp.gate.weight (Qwen3-MoE)
+    layers.N.feed_forward.experts.w1/w3/w2  -> model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj.weight,
+                                               one [E, ...] tensor <-> E tensors
     layers.N.attention_norm.weight          -> model.layers.N.input_layernorm.weight
                                                (post_norm: post_attention_layernorm.weight)
     layers.N.ffn_norm.weight                -> model.layers.N.post_attention_layernorm.weight
@@ -43,7 +46,10 @@ LAYER_NAMES = {
     "attention.wo": "self_attn.o_proj", "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
     "attention.q_proj_norm": "self_attn.q_norm", "attention.k_proj_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.router.gate": "mlp.gate",
 }
+EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
+           "feed_forward.experts.w2": "down_proj"}
 BLOCK_NORMS = {False: {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
                True: {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"}}
 ROPE_ORDERED = ("wq.weight", "wk.weight", "wq.bias", "wk.bias", "q_norm.weight", "k_norm.weight", "q_proj_norm.weight",
@@ -53,6 +59,14 @@ TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight"
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+
+
+def hf_names(name: str, args: ModelArgs) -> list[str]:
+    """The Hugging Face tensors of a plait parameter: one, or an expert tensor's E slices."""
+    index, rest = LAYER.match(name).groups() if name not in TOP_NAMES else (None, "")
+    if rest in EXPERTS:
+        return [f"model.layers.{index}.mlp.experts.{e}.{EXPERTS[rest]}.weight" for e in range(args.n_experts)]
+    return [hf_name(name, args)]
 
 
 def hf_name(name: str, args: ModelArgs) -> str:
@@ -83,7 +97,9 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
     for name, tensor in state_dict.items():
         if name.endswith(ROPE_ORDERED):
             tensor = to_hf_rope_order(tensor, args.head_dim)
-        tensors[hf_name(name, args)] = tensor.to(dtype).contiguous()
+        names = hf_names(name, args)
+        for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
+            tensors[hf] = piece.to(dtype).contiguous()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0  # of the last shard
     for name, tensor in tensors.items():
@@ -133,7 +149,7 @@ def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     if differ:
         raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
-    missing = [hf_name(n, args) for n in parameter_names(args) if hf_name(n, args) not in present]
+    missing = [hf for n in parameter_names(args) for hf in hf_names(n, args) if hf not in present]
     if missing:
         raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     return present
@@ -156,8 +172,11 @@ class HFWeights(Mapping):
         self.args, self.names, self.files = args, parameter_names(args), check(folder, args, option)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.files[hf_name(name, self.args)]), "pt") as weights:
-            tensor = weights.get_tensor(hf_name(name, self.args)).float()
+        pieces = []
+        for hf in hf_names(name, self.args):
+            with safe_open(str(self.files[hf]), "pt") as weights:
+                pieces.append(weights.get_tensor(hf).float())
+        tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
         if name.endswith(ROPE_ORDERED):
             tensor = from_hf_rope_order(tensor, self.args.head_dim)
         return tensor
