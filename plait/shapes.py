@@ -107,6 +107,9 @@ FLAVORS = {
                                    family="plait_moe"),
     "small_moe": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=0, qk_norm="head",
                            n_experts=8, top_k=2, moe_hidden=512, family="qwen3_moe"),
+    # small_moe's dense twin: the same active parameters per token (an FFN of top_k x moe_hidden)
+    "small_moe_dense": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=0, qk_norm="head",
+                                 ffn_hidden=1024, family="qwen3"),
     "qwen3_30b_a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936, head_dim=128,
                                ffn_hidden=6144, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, qk_norm="head",
                                n_experts=128, top_k=8, moe_hidden=768, family="qwen3_moe"),

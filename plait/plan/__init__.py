@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import json
 import sys
+
+import torch
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
@@ -31,7 +33,7 @@ from plait.arguments import parse, parse_args
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, hf_folder, job_tokenizer
 from plait.hardware import GPU_PEAK_TFLOPS
-from plait.model import ModelArgs
+from plait.model import ModelArgs, Transformer, num_params
 from plait.plan.comm import Hardware, collectives, step_seconds
 from plait.plan.memory import Layout, activation_bytes, buffer_bytes, rank_parameters, rank_stages, state_bytes
 
@@ -195,6 +197,22 @@ def verdict(rows: list[Row], memory_gib: float) -> str:
     return f"plan: best: {top.layout}, activation_checkpoint {top.activation_checkpoint}: {reason}{recompute}"
 
 
+def experts_line(args: ModelArgs, cfg: JobConfig) -> str:
+    """A mixture of experts' parameters (total, active per token) and what ep moves: every layout
+    below holds E / (dp_shard x cp) experts' worth of state per rank, with ep or without (ep
+    splits the experts, FSDP2 the rest); under ep each rank's tokens go out to their experts and
+    come back, forward and backward, (ep - 1) / ep of them off-rank when routing is balanced."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    total, active = num_params(model), num_params(model, active=True)
+    moe_layers = args.n_layers - len(args.dense_layers)
+    # each token's k copies, bf16, out and back, in forward and in backward
+    per_sequence = 2 * 2 * moe_layers * cfg.training.seq_len * args.top_k * args.dim * 2
+    return (f"plan: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token ({args.top_k} of "
+            f"{args.n_experts} experts in {moe_layers} MoE layers) | expert parallelism (parallelism.ep) moves "
+            f"{per_sequence / 2**20:.1f} MiB x (ep - 1) / ep by all-to-all per sequence a rank trains (bf16, balanced)")
+
+
 def main(argv: list[str]) -> int:
     own, rest = split_argv(argv)
     opts = parse(PlanArgs, own, "plait plan")
@@ -207,6 +225,8 @@ def main(argv: list[str]) -> int:
     if not rows:
         reasons = "; ".join(sorted(set(refused.values())))
         raise ConfigError(f"world: no layout of {opts.world} ranks can run this job: {reasons}")
+    if args.n_experts:
+        print(experts_line(args, base), file=sys.stderr if opts.json else sys.stdout)
     if opts.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
     else:
