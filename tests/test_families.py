@@ -1,7 +1,7 @@
 """Llama's relatives in and out: Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k norm, tied),
 Mistral, OLMo 2 (norms after each sub-layer, q/k norm over the projection, attention biases),
-SmolLM3 (a block without RoPE) and Qwen3-MoE (experts, and a dense block among them), each a
-tiny random model made by transformers itself.
+SmolLM3 (a block without RoPE), Qwen3-MoE (experts, and a dense block among them) and Mixtral,
+each a tiny random model made by transformers itself.
 
 plait builds each from its config.json alone: its logits equal transformers', greedy
 `plait generate --ids` gives transformers' greedy tokens, import then export is bitwise with
@@ -32,6 +32,7 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
     # 4 experts, each token to 2; block 1 dense (mlp_only_layers)
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          mlp_only_layers=[1], norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -41,7 +42,7 @@ def make_hf_model(family: str):
     away from 0 and 1: a bias or norm weight mapped to the wrong place must show."""
     torch.manual_seed(0)
     name, fields = CONFIGS[family]
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**BASE, **fields)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(BASE | fields))).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias"):

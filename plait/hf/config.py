@@ -53,11 +53,13 @@ def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
 # model_type -> the architecture transformers builds for it. Each is Llama with switches.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
 UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "attention soft-capping",
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
-               "n_routed_experts": "mixture of experts", "use_sliding_window": "sliding-window attention"}
+               "n_routed_experts": "mixture of experts", "use_sliding_window": "sliding-window attention",
+               "router_jitter_noise": "router jitter"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def family_switches(config: dict, family: str) -> dict:
@@ -80,7 +82,10 @@ def family_switches(config: dict, family: str) -> dict:
         switches |= {"qk_norm": "projection", "post_norm": True}
     if family == "smollm3" and config.get("no_rope_layers"):  # 1 = this block uses RoPE
         switches["nope_layers"] = tuple(i for i, rope in enumerate(config["no_rope_layers"]) if not rope)
-    if family == "mistral" and config.get("sliding_window"):
+    if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
+        switches |= {"n_experts": config["num_local_experts"], "top_k": config["num_experts_per_tok"],
+                     "moe_hidden": config["intermediate_size"]}
+    if family in ("mistral", "mixtral") and config.get("sliding_window"):
         switches["sliding_window"] = int(config["sliding_window"])
     return switches
 
@@ -92,7 +97,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     if family not in FAMILIES:
         raise ConfigError(f"{where} holds a model_type {family!r} model; plait reads {', '.join(FAMILIES)}")
     for field, what in UNSUPPORTED.items():
-        if config.get(field) and not (family == "qwen3_moe" and what == "mixture of experts"):
+        if config.get(field) and not (family in MOE_FAMILIES and what == "mixture of experts"):
             raise ConfigError(f"{where} sets {field} ({what}), which plait does not compute; allowed: unset, "
                               "null or false")
     if config.get("hidden_act", "silu") != "silu":
@@ -136,8 +141,16 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed |= {"attention_bias": args.qkv_bias, "mlp_bias": args.ffn_bias}
     if args.family == "smollm3":
         computed["no_rope_layers"] = [int(i not in args.nope_layers) for i in range(args.n_layers)]
-    if args.family == "mistral":
+    if args.family in ("mistral", "mixtral"):
         computed["sliding_window"] = args.sliding_window or None
+    if args.family == "mixtral":
+        if args.dense_layers or args.qk_norm != "none" or not args.normalize_top_k:
+            raise ConfigError("checkpoint: a mixtral config.json has every block sparse, no q/k norm and its top k "
+                              "renormalised; this model differs (export it as qwen3_moe)")
+        computed |= {"num_local_experts": args.n_experts, "num_experts_per_tok": args.top_k,
+                     "intermediate_size": args.moe_hidden}
+        if args.head_dim == args.dim // args.n_heads:  # transformers' Mixtral writes its default as null
+            computed["head_dim"] = None
     if args.family == "qwen3_moe":
         computed |= {"num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "decoder_sparse_step": 1,
                      "moe_intermediate_size": args.moe_hidden, "norm_topk_prob": args.normalize_top_k,

@@ -7,8 +7,10 @@ Parameter names (plait -> Hugging Face):
     layers.N.attention.{q,k}_norm.weight    -> model.layers.N.self_attn.{q,k}_norm.weight (per head)
     layers.N.attention.{q,k}_proj_norm.weight -> model.layers.N.self_attn.{q,k}_norm.weight (whole projection)
     layers.N.feed_forward.w1/w3/w2.{weight,bias} -> model.layers.N.mlp.gate_proj/up_proj/down_proj.{...}
-    layers.N.feed_forward.router.gate.weight -> model.layers.N.mlp.gate.weight (Qwen3-MoE)
-    layers.N.feed_forward.experts.w1/w3/w2  -> model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj.weight,
+    layers.N.feed_forward.router.gate.weight -> model.layers.N.mlp.gate.weight (Qwen3-MoE;
+                                               Mixtral: block_sparse_moe.gate.weight)
+    layers.N.feed_forward.experts.w1/w3/w2  -> model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj.weight
+                                               (Mixtral: block_sparse_moe.experts.E.w1/w3/w2.weight),
                                                one [E, ...] tensor <-> E tensors
     layers.N.attention_norm.weight          -> model.layers.N.input_layernorm.weight
                                                (post_norm: post_attention_layernorm.weight)
@@ -50,6 +52,7 @@ LAYER_NAMES = {
 }
 EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
            "feed_forward.experts.w2": "down_proj"}
+MIXTRAL = "block_sparse_moe"  # Mixtral's name for the MoE layer; its experts keep Meta's w1/w2/w3
 BLOCK_NORMS = {False: {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
                True: {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"}}
 ROPE_ORDERED = ("wq.weight", "wk.weight", "wq.bias", "wk.bias", "q_norm.weight", "k_norm.weight", "q_proj_norm.weight",
@@ -65,6 +68,9 @@ def hf_names(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face tensors of a plait parameter: one, or an expert tensor's E slices."""
     index, rest = LAYER.match(name).groups() if name not in TOP_NAMES else (None, "")
     if rest in EXPERTS:
+        if args.family == "mixtral":
+            return [f"model.layers.{index}.{MIXTRAL}.experts.{e}.{rest.rsplit('.', 1)[1]}.weight"
+                    for e in range(args.n_experts)]
         return [f"model.layers.{index}.mlp.experts.{e}.{EXPERTS[rest]}.weight" for e in range(args.n_experts)]
     return [hf_name(name, args)]
 
@@ -74,7 +80,10 @@ def hf_name(name: str, args: ModelArgs) -> str:
         return TOP_NAMES[name]
     index, rest = LAYER.match(name).groups()
     module, kind = rest.rsplit(".", 1)
-    return f"model.layers.{index}.{(LAYER_NAMES | BLOCK_NORMS[args.post_norm])[module]}.{kind}"
+    hf_module = (LAYER_NAMES | BLOCK_NORMS[args.post_norm])[module]
+    if args.family == "mixtral":
+        hf_module = hf_module.replace("mlp.", f"{MIXTRAL}.")
+    return f"model.layers.{index}.{hf_module}.{kind}"
 
 
 def to_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
