@@ -22,10 +22,14 @@ class ExpertLoad:
         self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
         self.enabled, self.aux = bool(args.n_experts), args.router == "softmax"
         n_moe = args.n_layers - len([i for i in args.dense_layers if i < args.n_layers])
-        self.mean_over = n_moe * forwards * dist.get_world_size(group)
+        # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/moe.py: aux_loss)
+        cp = self.layers[0].sequence_ranks if self.layers else 1
+        self.mean_over = n_moe * forwards * dist.get_world_size(group) // cp
         self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group
-        for layer in self.layers:  # loss + coefficient x (the layers' mean), each micro-batch's share
-            layer.aux_scale = coefficient / (n_moe * forwards)
+        for layer in self.layers:
+            # loss + coefficient x (the layers' mean), each micro-batch's share; the gradient average
+            # divides by the cp ranks too, whose parts of the loss add up rather than average
+            layer.aux_scale = coefficient * cp / (n_moe * forwards)
 
     @torch.no_grad()
     def step(self) -> dict:

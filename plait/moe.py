@@ -105,6 +105,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts)
         self.shared = SharedExperts(dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None
         self.aux_scale = 0.0  # set by the trainer: coefficient / (MoE layers x micro-batches)
+        # How the ranks that each hold part of the same sequences sum a tensor (context parallelism
+        # sets it), and how many they are: the auxiliary loss is then that of the whole sequences.
+        self.sequence_sum, self.sequence_ranks = None, 1
         # (tokens per expert, auxiliary loss or None) of each training forward since the trainer
         # last read them (plait/expert_load.py)
         self.records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -124,8 +127,7 @@ class MoE(nn.Module):
         if torch.is_grad_enabled():
             # The same ops in a checkpointed block's recomputation (its saved tensors must match),
             # but the step's record is kept once.
-            aux = self.n_experts * (counts.float() / x.shape[0] * scores.mean(0)).sum() \
-                if self.router.kind == "softmax" else None
+            aux = self.aux_loss(counts, scores) if self.router.kind == "softmax" else None
             if torch.compiler.is_compiling() or not in_backward():
                 self.records.append((counts, None if aux is None else aux.detach()))
             if aux is not None and self.aux_scale:
@@ -133,6 +135,16 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
+
+    def aux_loss(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """E x sum_e f_e P_e over the forward's tokens (f_e: the share of token-slots expert e got,
+        P_e: its mean score; k when balanced). Where ranks split the sequences, f counts every
+        rank's tokens and this rank's term sums its own tokens' scores: the ranks' terms add up to
+        the whole sequences' loss, each with its own tokens' gradient."""
+        tokens = scores.shape[0] * self.sequence_ranks
+        if self.sequence_sum is not None:
+            counts = self.sequence_sum(counts)
+        return self.n_experts * (counts.float() / tokens * (scores.sum(0) / tokens)).sum()
 
 
 class SharedExperts(nn.Module):

@@ -274,6 +274,8 @@ LAYOUTS = {
     "ep2_hsdp_moe": (4, [*MOE, *EP2, *degrees(2, 2)]),
     "ep2_tp2_moe": (4, [*MOE, *EP2, *degrees(1, 2, tp=2)]),
     "pp_ep2_moe": (4, [*MOE, *EP2, *PP2]),
+    "cp_moe": (2, [*MOE, *CP2, "--training.micro_batch_size", "2"]),
+    "cp_ep2_moe": (2, [*MOE, *CP2, *EP2, "--training.micro_batch_size", "2"]),  # ep borrows the cp ranks
     "single_moe_sigmoid": (1, [*SIGMOID, "--training.micro_batch_size", "2"]),
     "ep2_moe_sigmoid": (2, [*SIGMOID, *EP2]),
 }

@@ -15,10 +15,11 @@ import select
 import sys
 import traceback
 
-import plait.cli
-import plait.doctor  # noqa: F401 (imported for the children: it imports plait.train)
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's plait, whichever one an editable install points at
+
+import plait.cli  # noqa: E402
+import plait.doctor  # noqa: E402,F401 (imported for the children: it imports plait.train)
 
 
 def child(request: dict) -> None:

@@ -141,3 +141,28 @@ def test_bad_expert_options_fail_at_start_up_with_one_line(tmp_path, options, fr
 def test_the_moe_flavors_are_mixtures_of_experts():
     for name in ("debug_moe", "debug_moe_sigmoid", "small_moe", "qwen3_30b_a3b", "qwen3_235b_a22b"):
         assert FLAVORS[name].n_experts and FLAVORS[name].top_k < FLAVORS[name].n_experts
+
+
+def test_an_ep_checkpoint_resumes_bitwise_and_under_another_layout(tmp_path):
+    """EP2 with the sigmoid router, its balancing bias moving fast enough to change the routing
+    (moe_bias_rate 0.05: the losses differ from a run without it), saved at step 3: resumed by
+    EP2 the last 3 steps are bitwise the uninterrupted run's (expert shards, AdamW state, router
+    biases restored), and resumed by one device (the experts' shards read whole) within the fp32
+    bound of the parity rows."""
+    import shutil
+
+    from conftest import SIGMOID, losses, max_abs_diff
+
+    args = [*SIGMOID, "--training.steps", "6", "--training.moe_bias_rate", "0.05", "--checkpoint.interval", "3"]
+    ep2 = ["--parallelism.ep", "2"]
+    full, _ = run_plait(tmp_path, *args, *ep2, "--checkpoint.folder", str(tmp_path / "full"), nproc=2)
+    unbiased, _ = run_plait(tmp_path, *args, *ep2, "--training.moe_bias_rate", "0", "--checkpoint.folder",
+                            str(tmp_path / "unbiased"), nproc=2)
+    assert losses(unbiased)[3:] != losses(full)[3:]
+    for name in ("ep2", "single"):
+        shutil.copytree(tmp_path / "full" / "step-3", tmp_path / name / "step-3")
+    resumed, proc = run_plait(tmp_path, *args, *ep2, "--checkpoint.folder", str(tmp_path / "ep2"), nproc=2)
+    assert "resumed from" in proc.stdout and losses(resumed) == losses(full)[3:]
+    single, _ = run_plait(tmp_path, *args, "--training.micro_batch_size", "2", "--checkpoint.folder",
+                          str(tmp_path / "single"))
+    assert max_abs_diff(losses(single), losses(full)[3:]) <= 1e-6

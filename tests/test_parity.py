@@ -65,10 +65,13 @@ FAMILY_ROWS = {name for name, _ in FAMILIES}
 # them at once, where one device sums each micro-batch's part and then the two: last-bit
 # differences in fp32, measured 4.8e-7 (EP2, PP2+EP2) and 9.5e-7 (EP2+FSDP2, EP2+HSDP, world
 # 4: 1-2 ulps of a loss in [4, 8)); TP runs every expert whole on every rank and reorders the
-# attention's sums as in the dense rows. bf16: the mechanism of BF16_REORDERED, measured
+# attention's sums as in the dense rows; CP's ranks route their own chunks and sum the routing's
+# counts for a load-balancing loss of the whole sequences (and reorder attention's sums as in the
+# cp rows), 4.8e-7 with and without EP2 over the cp ranks. bf16: the mechanism of BF16_REORDERED, measured
 # 1.7e-4 (EP2).
 MOE_BOUNDS = {**{(name, "fp32"): FP32_REORDERED for name in ("ep2_moe", "tp_moe", "ep2_fsdp2_moe", "ep2_hsdp_moe",
-                                                            "ep2_tp2_moe", "pp_ep2_moe", "ep2_moe_sigmoid")},
+                                                            "ep2_tp2_moe", "pp_ep2_moe", "cp_moe", "cp_ep2_moe",
+                                                            "ep2_moe_sigmoid")},
               ("ep2_moe", "bf16"): BF16_REORDERED}
 SPMD = [name for name in LAYOUTS
         if not name.startswith(("pp", "single")) and not name.endswith("tied") and "moe" not in name

@@ -40,8 +40,10 @@ PARTLY = {
     **{name: {"state", "activations"} for name in FLOAT8 if name.startswith(("tp", "fsdp2_tp"))},
     "classic_ddp_f8": {"state", "activations"},  # and classic DDP's broadcast, as for classic_ddp
     # Mixtures of experts: plan predicts their state (each rank holds E / (dp_shard x cp) experts' worth
-    # with or without ep), not yet their activations (routing-dependent) or collectives.
-    **{name: {"state"} for name in LAYOUTS if "moe" in name},
+    # with or without ep), and on one device their activations and collectives too. Under ep what a
+    # rank receives, keeps and sends back depends on the routing; under TP the layer runs whole on
+    # the gathered sequence, which plan does not model yet.
+    **{name: {"state"} for name in LAYOUTS if "moe" in name and not name.startswith("single")},
 }
 # Classic DDP cannot cast parameters: its bf16 run is autocast, whose casts plan does not model.
 AUTOCAST_PARTS = {"state"}

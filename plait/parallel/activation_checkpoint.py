@@ -23,14 +23,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# Outputs `selective` keeps: matmuls, attention (every backend's kernel), and TP's reductions
+# Outputs `selective` keeps: matmuls (experts' grouped ones too), attention (every backend's kernel), and TP's reductions
 # (as torchtitan does). All-gathers are recomputed on purpose: SimpleFSDP's parameter gathers,
 # because recomputing them is what frees the gathered parameters between forward and backward,
 # and TP's sequence-parallel gathers, which are activations as large as a block input. Measured
 # under TP (full and selective alike): a checkpointed block's backward repeats two all-gathers
 # and one reduce-scatter; plan predicts exactly these (tests/test_plan.py).
 _ops = torch.ops.aten
-MATMULS = {_ops.mm.default, _ops.addmm.default, _ops.bmm.default,
+MATMULS = {_ops.mm.default, _ops.addmm.default, _ops.bmm.default, _ops._grouped_mm.default,
            _ops._scaled_dot_product_flash_attention_for_cpu.default,
            _ops._scaled_dot_product_flash_attention.default,
            _ops._scaled_dot_product_efficient_attention.default,

@@ -18,6 +18,7 @@ at a time (a ring that passes them rank to rank would hold two chunks; plait has
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.config import ConfigError, JobConfig
 from plait.masking import allowed, block_mask, document_ids, positions_in_documents
+from plait.moe import moe_layers
 
 
 def check_context_parallel(cfg: JobConfig) -> None:
@@ -88,8 +90,8 @@ class BatchLayout:
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Hand every attention kernel the whole sequence's keys and values and where its queries
-    lie in the sequence (a pre-hook on each block's `attention.core`): the model itself is
-    untouched."""
+    lie in the sequence (a pre-hook on each block's `attention.core`), and every mixture of
+    experts the sum over the cp ranks of its routing's counts: the model itself is untouched."""
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
 
     def whole_sequence(module, args):
@@ -103,3 +105,5 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 
     for block in model.layers.values():
         block.attention.core.register_forward_pre_hook(whole_sequence)
+    for moe in moe_layers(model):  # its load-balancing loss over whole sequences, not this rank's chunks
+        moe.sequence_sum, moe.sequence_ranks = functools.partial(funcol.all_reduce, reduceOp="sum", group=group), cp

@@ -128,7 +128,7 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
-                           cp: int = 1, joined: bool = False) -> int:
+                           cp: int = 1, joined: bool = False, moe: bool = False) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -144,20 +144,47 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     its fp32 input and normalised values and 1/rms (8 * head_dim + 4 per head it normalises;
     over the projection, one 1/rms for all of them). Norms after the sub-layers (post_norm)
     keep what norms before them do: their fp32 input and values, and the linear layers keep the
-    block input in their stead.
+    block input in their stead. A mixture of experts (`moe`) keeps what `moe_bytes` says in the
+    SwiGLU's stead (predicted at tp 1).
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
+    experts = moe_bytes(args, tokens, e, mode) if moe else 0
+    if moe:
+        ffn = 0
     if mode == "full":
-        return tokens * e * d // tp
+        return tokens * e * d // tp + experts
     if mode == "selective":
         # wq, wk, wv, w1, w3; wo and w2 (full-sequence partial sums, and under TP their scattered sums)
-        matmuls = heads * hd + 2 * kv * hd + 2 * ffn + 2 * d + (2 * d // tp if tp > 1 else 0)
-        return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads)
+        matmuls = heads * hd + 2 * kv * hd + 2 * ffn + (1 + (not moe)) * d + (2 * d // tp if tp > 1 else 0)
+        return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads) + experts
     norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
     attention = tokens * 4 * heads * hd * e if not masked else \
         (tokens * (2 + joined) * heads + tokens * cp * 2 * kv) * hd * e
     qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8}[args.qk_norm]
-    return norms + attention + tokens * (4 * heads + 4 * ffn * e + qk_norms)
+    return norms + attention + tokens * (4 * heads + 4 * ffn * e + qk_norms) + experts
+
+
+def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
+    """What a mixture-of-experts layer keeps for backward, routing whatever it routes (every
+    token reaches k experts: the sizes do not depend on which). Every mode: the step's record
+    (tokens per expert, int64, and the auxiliary loss). full: nothing more. selective: the matmul
+    outputs (the router's fp32 logits; w1, w3 and w2's grouped outputs). none, over the R = k x
+    tokens rows: each row's input, the grouped w2 output and its weighted copy (3 x dim), the
+    SwiGLU's four hidden tensors, their row and token indices (int64) and weights; the router's
+    fp32 scores and its sort's int64 indices, the top-k weights and their sum; in bf16 the
+    router's fp32 copies of its input and weight, where the input itself (the norm's output,
+    which the norms' count holds) is then kept by nobody unless shared experts read it."""
+    n, k, d, h = args.n_experts, args.top_k, args.dim, args.moe_hidden
+    rows, softmax = tokens * k, args.router == "softmax"
+    record = n * 8 + 4 * softmax
+    if mode == "full":
+        return record
+    if mode == "selective":
+        return record + tokens * n * 4 + rows * (2 * h + d) * e
+    shared = args.moe_hidden * args.n_shared_experts
+    router = tokens * n * 12 + args.normalize_top_k * tokens * (k + 1) * 4 + n * 4 * softmax
+    casts = tokens * d * 4 + n * d * 4 - tokens * d * e * (not shared) if e != 4 else 0
+    return record + rows * ((3 * d + 4 * h) * e + 16 + e) + router + n * 4 + casts + 4 * tokens * shared * e
 
 
 def masked(cfg: JobConfig) -> bool:
@@ -207,7 +234,8 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp, masked(cfg),
-                                       cfg.parallelism.cp, joined(cfg)) for i in blocks)
+                                       cfg.parallelism.cp, joined(cfg), bool(args.n_experts) and i not in args.dense_layers)
+                for i in blocks)
     if last:
         vocab = args.vocab_size // tp
         total += tokens // tp * (8 * args.dim + 4) + tokens * (e * args.dim + 4 * vocab) + 8

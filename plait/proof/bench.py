@@ -30,12 +30,13 @@ from plait.arguments import parse
 from plait.config import ConfigError, Data, Flavor
 from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
-from plait.model import linear_weight_shapes, model_args
+from plait.model import FLAVORS, linear_weight_shapes, model_args
 from plait.proof.trace import idle_fractions, summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
               "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
-              "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled"]
+              "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled",
+              "ep", "dense_twin"]
 PP_MICROBATCHES = 4
 DTYPES = ("float32", "bfloat16")
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
@@ -44,6 +45,8 @@ STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp
 # float8 row: the same layout without float8, the row its tokens/s are compared with.
 FLOAT8_REFERENCES = {"single_float8": "single", "fsdp2_float8": "fsdp2", "fsdp2_float8_rowwise": "fsdp2",
                      "fsdp2_float8_compiled": "fsdp2_compiled"}
+# A mixture of experts' dense model of equal active parameters (the dense_twin row), beside its FSDP2 and EP rows.
+DENSE_TWINS = {"small_moe": "small_moe_dense"}
 
 
 @dataclass
@@ -105,7 +108,19 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
                                  ["--parallelism.dp_shard", n, "--training.float8", "rowwise"]),
         "fsdp2_float8_compiled": ("FSDP2, float8 tensorwise, compiled", nproc,
                                   ["--parallelism.dp_shard", n, *float8, "--compile.enable"]),
+        # mixtures of experts only: experts split over the FSDP2 ranks; the dense twin as FSDP2
+        "ep": (f"EP{n} over FSDP2({n})", nproc, ["--parallelism.dp_shard", n, "--parallelism.ep", n]),
+        "dense_twin": ("FSDP2, the dense twin (equal active parameters)", nproc, ["--parallelism.dp_shard", n]),
     }
+
+
+def applies(key: str, flavor: str) -> str:
+    """Why a row does not apply to a flavor, or "" when it does."""
+    if key == "ep" and not FLAVORS[flavor].n_experts:
+        return "it needs a mixture of experts (e.g. --flavor small_moe)"
+    if key == "dense_twin" and flavor not in DENSE_TWINS:
+        return f"only {', '.join(DENSE_TWINS)} has a dense twin"
+    return ""
 
 
 def flavors(cfg: BenchConfig) -> list[str]:
@@ -185,9 +200,12 @@ def bench(cfg: BenchConfig) -> dict:
             print(f"bench: {hardware_line(machine[flavor])}", file=sys.stderr, flush=True)
             for key in cfg.rows:
                 name, world, flags = layouts(cfg.nproc)[key]
-                if gpus_missing(world):
-                    print(f"bench: {name} skipped: it needs {world} GPUs", file=sys.stderr, flush=True)
+                if gpus_missing(world) or applies(key, flavor):
+                    why = applies(key, flavor) or f"it needs {world} GPUs"
+                    print(f"bench: {name} skipped: {why}", file=sys.stderr, flush=True)
                     continue
+                if key == "dense_twin":
+                    flags = [*flags, "--model.flavor", DENSE_TWINS[flavor]]
                 row = {"flavor": flavor, "key": key, "layout": name, "world": world}
                 try:
                     for dtype in machine[flavor]["dtypes"]:
@@ -278,6 +296,16 @@ def float8_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
     return lines
 
 
+def moe_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
+    """A mixture of experts' EP row and its dense twin against its FSDP2 row (tokens/s)."""
+    by_key = {r["key"]: r for r in rows}
+    if "fsdp2" not in by_key:
+        return []
+    return [f"{by_key[key]['layout']} vs FSDP2 (mixture of experts): " + ", ".join(
+        f"{by_key[key][f'{d}_tokens_per_sec'] / by_key['fsdp2'][f'{d}_tokens_per_sec']:.2f}x ({d})" for d in dtypes)
+        + " tokens/s" for key in ("ep", "dense_twin") if key in by_key]
+
+
 def markdown(result: dict) -> str:
     cfg = result["settings"]
     lines = []
@@ -307,6 +335,7 @@ def markdown(result: dict) -> str:
                   f"{s['ratio']:.2f}" for s in result["state_ratios"] if s["flavor"] == flavor]
         lines += [bubble_line(r, dtype) for r in rows for dtype in machine["dtypes"] if f"{dtype}_idle" in r]
         lines += float8_lines(rows, machine["dtypes"])
+        lines += moe_lines(rows, machine["dtypes"])
         lines.append("")
     return "\n".join(lines).rstrip()
 
