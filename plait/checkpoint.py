@@ -42,6 +42,7 @@ from plait.config import ConfigError, JobConfig
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.tokenizer import TOKENIZER
 from plait.model import ModelArgs, Transformer
+from plait.optim import Muon, group_decays
 from plait.weights import fill_weights, init_weights
 
 MANIFEST = "plait.json"
@@ -79,6 +80,15 @@ def latest_complete(root: str) -> Path | None:
         if read_manifest(folder) is not None:
             return folder
     return None
+
+
+def check_optimizer_kept(folder: Path, cfg: JobConfig) -> None:
+    """A training checkpoint resumes under the optimizer that wrote it (its state is that optimizer's)."""
+    saved = (read_manifest(folder) or {}).get("hyperparameters", {}).get("optimizer", "adamw")
+    if saved != cfg.optimizer.name:
+        raise ConfigError(f"optimizer.name: {folder} was trained with {saved}, whose state does not carry over to "
+                          f"{cfg.optimizer.name}; allowed here: {saved} (or a new checkpoint.folder that starts from "
+                          f"these weights: --checkpoint.load {folder})")
 
 
 def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
@@ -296,9 +306,11 @@ class Checkpointer:
         t, groups = self.cfg.training, self.optimizer.param_groups
         self.scheduler.base_lrs = [t.lr] * len(groups)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group, decay in zip(groups, (t.weight_decay, 0.0)):  # build_optimizer: decayed, then norms
+        for group, decays in zip(groups, group_decays(self.cfg)):
             group.update({**self.optimizer.defaults, **{k: v for k, v in group.items() if k != "params"}})
-            group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=decay)
+            group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=t.weight_decay if decays else 0.0)
+        if isinstance(self.optimizer, Muon):  # (its first group, a flag DCP may drop as it drops floats)
+            groups[0]["muon"] = True
         self.scheduler._last_lr = [group["lr"] for group in groups]
         changed = [f"training.{name} {saved[name]:g} -> {getattr(t, name):g}" if isinstance(saved[name], float) else
                    f"training.{name} {saved[name]} -> {getattr(t, name)}" for name in RESUMABLE
@@ -345,7 +357,8 @@ class Checkpointer:
         dist.barrier()
         t = self.cfg.training
         manifest = _manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
-                             hyperparameters={name: getattr(t, name) for name in RESUMABLE},
+                             hyperparameters={**{name: getattr(t, name) for name in RESUMABLE},
+                                              "optimizer": self.cfg.optimizer.name},
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()

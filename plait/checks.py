@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from plait.config import JobConfig, validate
 from plait.masking import check_attention
+from plait.optim import check_optimizer
 from plait.parallel.context_parallel import check_context_parallel
 from plait.parallel.expert_parallel import check_expert_options
 from plait.parallel.pipeline import check_pipeline
@@ -19,6 +20,7 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     defaults (micro_batch_size, dp_shard, ...) as `config.validate` does. ConfigError if wrong."""
     validate(cfg, world)
     check_schedule(cfg)
+    check_optimizer(cfg)
     check_context_parallel(cfg)
     check_expert_options(cfg)
     resolve(cfg)

@@ -107,6 +107,21 @@ class Training:
 
 
 @dataclass
+class Optimizer:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: every parameter; muon: the blocks' matrices (experts' too) orthogonalised by Newton-Schulz, scaled
+    to AdamW's RMS so training.lr and weight_decay carry over (Moonlight), the rest AdamW"""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates"""
+    eps: float = 1e-8
+    """AdamW's denominator term"""
+    momentum: float = 0.95
+    """muon: momentum (Nesterov) of its matrices"""
+    ns_steps: int = 5
+    """muon: Newton-Schulz iterations per matrix and step"""
+
+
+@dataclass
 class Parallelism:
     dp_replicate: int = 1
     """data-parallel replicas (DDP); with dp_shard > 1 this is HSDP"""
@@ -241,6 +256,7 @@ class JobConfig:
     resumes from the newest complete checkpoint"""
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     data: Data = field(default_factory=Data)

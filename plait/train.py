@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plait import float8, hf, parallel, schedule
-from plait.checkpoint import Checkpointer, check_compatible, check_owner, job_identity, latest_complete
+from plait import float8, hf, optim, parallel, schedule
+from plait.checkpoint import (Checkpointer, check_compatible, check_optimizer_kept, check_owner, job_identity,
+                              latest_complete)
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
@@ -84,12 +85,7 @@ def set_threads(cfg: JobConfig) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
-    t = cfg.training
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = optim.build_optimizer(model, cfg)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor(cfg))
 
 
@@ -186,6 +182,7 @@ def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
     resume = latest_complete(cfg.checkpoint.folder)
     if resume is not None:
         check_compatible(resume, args, "checkpoint.folder")
+        check_optimizer_kept(resume, cfg)
     elif cfg.checkpoint.load:
         folder = Path(cfg.checkpoint.load)
         if hf.is_hf_folder(folder):

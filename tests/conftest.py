@@ -179,6 +179,7 @@ DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 EP2 = ["--parallelism.ep", "2"]
+MUON = ["--optimizer.name", "muon"]
 
 
 def pp_schedule(name: str) -> list[str]:
@@ -276,12 +277,27 @@ LAYOUTS = {
     "pp_ep2_moe": (4, [*MOE, *EP2, *PP2]),
     "cp_moe": (2, [*MOE, *CP2, "--training.micro_batch_size", "2"]),
     "cp_ep2_moe": (2, [*MOE, *CP2, *EP2, "--training.micro_batch_size", "2"]),  # ep borrows the cp ranks
+    # Muon (the blocks' matrices orthogonalised whole, spread over the ranks that shard them), against the
+    # single device with Muon: every way a matrix is split (FSDP2, HSDP, SimpleFSDP, TP, FSDP2+TP,
+    # pipeline stages) or replicated (DDP, classic DDP).
+    "single_muon": (1, [*MUON, "--training.micro_batch_size", "2"]),
+    "fsdp2_muon": (2, [*MUON, *degrees(1, 2)]),
+    "ddp_muon": (2, [*MUON, *degrees(2, 1)]),
+    "classic_ddp_muon": (2, [*MUON, "--parallelism.dp_backend", "ddp", *degrees(2, 1)]),
+    "simple_fsdp_muon": (2, [*MUON, *SIMPLE, *degrees(1, 2)]),
+    "tp_muon": (2, [*MUON, *degrees(1, 1, tp=2)]),
+    "pp_muon": (2, [*MUON, *PP2]),
+    "fsdp2_w4_muon": (4, [*MUON, *degrees(1, 4)]),
+    "hsdp_muon": (4, [*MUON, *degrees(2, 2)]),
+    "fsdp2_tp_muon": (4, [*MUON, *degrees(1, 2, tp=2)]),
     "single_moe_sigmoid": (1, [*SIGMOID, "--training.micro_batch_size", "2"]),
     "ep2_moe_sigmoid": (2, [*SIGMOID, *EP2]),
 }
 
 
 def reference(args: list[str]) -> str:
+    if MUON[1] in args:
+        return "single_muon"
     if SIGMOID[1] in args:
         return "single_moe_sigmoid"
     if MOE[1] in args:  # (the rows whose ranks forward 1 sequence at a time are named in ONE_PER_FORWARD)

@@ -17,7 +17,8 @@ from plait.cli import main
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.proof.trace import summarise
-from test_parity import CONTEXT_BF16, FAMILIES, FLOAT8, FLOAT8_BF16, MOE_BOUNDS, PIPELINES_BF16, REFERENCE, SPMD, mode
+from test_parity import (CONTEXT_BF16, FAMILIES, FLOAT8, FLOAT8_BF16, MOE_BOUNDS, MUON_BOUNDS, PIPELINES_BF16, REFERENCE,
+                         SPMD, mode)
 
 pytestmark = pytest.mark.slow
 PRECISIONS = {"fp32": [], "bf16": BF16}
@@ -45,6 +46,10 @@ PARTLY = {
     # the gathered sequence, which plan does not model yet.
     **{name: {"state"} for name in LAYOUTS if "moe" in name and not name.startswith("single")},
 }
+# Muon's rows as their AdamW layout's, less the step's collectives (its matrices' all-to-alls, or
+# gathers), which plan does not count yet.
+PARTLY |= {name: PARTLY.get(name.removesuffix("_muon").replace("_w4", ""), {"state", "activations", "comm"}) - {"comm"}
+           for name in LAYOUTS if name.endswith("_muon")}
 # Classic DDP cannot cast parameters: its bf16 run is autocast, whose casts plan does not model.
 AUTOCAST_PARTS = {"state"}
 ALL_PARTS = {"state", "activations", "comm"}
@@ -94,7 +99,7 @@ def check(train_once, name: str, precision: str, extra: list[str] = ()) -> dict:
     model, stages = plan.model_shape(cfg), memory.rank_stages(cfg, 0)
     p = cfg.parallelism
     layout = memory.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
-    state = memory.state_bytes(memory.rank_parameters(model, cfg, stages), layout)
+    state = memory.state_bytes(memory.rank_parameters(model, cfg, stages), layout, cfg.optimizer.name)
     assert state / 2**30 == rows[0]["state_gib"], (name, precision, state)
     predicted = {"state": state}
     parts = PARTLY.get(name, {"state", "activations", "comm"}) & (AUTOCAST_PARTS if autocast else ALL_PARTS)
@@ -133,7 +138,7 @@ def add_line(report, label: str, numbers: dict) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_plan_predicts_every_layout(train_once, report, name, precision):
-    family_bf16 = {row for n, p in {**FAMILIES, **MOE_BOUNDS} if p == "bf16" for row in (n, REFERENCE[n])}
+    family_bf16 = {row for n, p in {**FAMILIES, **MOE_BOUNDS, **MUON_BOUNDS} if p == "bf16" for row in (n, REFERENCE[n])}
     if precision == "bf16" and name not in [*SPMD, *PIPELINES_BF16, *CONTEXT_BF16, *FLOAT8_BF16, *family_bf16,
                                             "single", "single_f8"]:
         pytest.skip("no bf16 run of this layout in the shared matrix")

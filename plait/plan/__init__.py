@@ -95,7 +95,7 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float,
                 comm = collectives(args, cfg, stages, e)
                 pipeline_split = 1 if stages is None else microbatches(cfg)
                 tokens = cfg.training.seq_len * cfg.training.micro_batch_size // pipeline_split
-                state = state_bytes(params, layout) / GIB
+                state = state_bytes(params, layout, cfg.optimizer.name) / GIB
                 activations = activation_bytes(args, cfg, stages, e) / GIB
                 buffers = buffer_bytes(args, cfg, params, e, tokens) / GIB
                 total = state + activations + buffers

@@ -16,6 +16,7 @@ import torch
 
 from plait.config import JobConfig
 from plait.model import QUERY_BLOCK, ModelArgs, Transformer
+from plait.optim import uses_muon
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 
 # (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum.)
@@ -107,13 +108,15 @@ def units(params: dict[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, 
     return grouped
 
 
-def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout) -> int:
+def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout, optimizer: str = "adamw") -> int:
     """fp32 parameter + fp32 gradient + AdamW exp_avg and exp_avg_sq, per element; and AdamW's
-    step counter (a float32 scalar tensor) per parameter."""
+    step counter (a float32 scalar tensor) per parameter. Under Muon its matrices hold one
+    momentum instead of the two moments (plait/optim.py)."""
     total = 0
     for name, shape in params.items():
         rows, cols = local_rows_cols(name, shape, layout)
-        total += math.ceil(rows / layout.shard) * cols * 16 + 4
+        muon = optimizer == "muon" and uses_muon(name, torch.empty(shape, device="meta"))
+        total += math.ceil(rows / layout.shard) * cols * (12 if muon else 16) + 4
     return total
 
 
