@@ -143,6 +143,12 @@ def orthogonalize_all(directions: list[torch.Tensor], steps: int) -> list[torch.
     for (mesh, dim), indices in rounds.items():
         group = mesh.get_group(dim)
         n, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+        if n == 1:  # the shard is the whole matrix (FSDP2 on one rank): nothing to exchange
+            for i in indices:
+                d = directions[i]
+                out[i] = DTensor.from_local(newton_schulz(d.to_local(), steps), d.device_mesh, d.placements,
+                                            run_check=False, shape=d.shape, stride=d.stride())
+            continue
         for start in range(0, len(indices), n):  # one round: matrix start + r is rank r's
             turn = indices[start:start + n]
             for i, local in zip(turn, exchange([directions[i] for i in turn], group, n, rank, steps)):

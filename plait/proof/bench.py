@@ -31,12 +31,12 @@ from plait.config import ConfigError, Data, Flavor
 from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.model import FLAVORS, linear_weight_shapes, model_args
-from plait.proof.trace import idle_fractions, summarise
+from plait.proof.trace import idle_fractions, phase_seconds, summarise
 
 Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
               "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
               "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled",
-              "ep", "dense_twin"]
+              "ep", "dense_twin", "single_muon", "fsdp2_muon"]
 PP_MICROBATCHES = 4
 DTYPES = ("float32", "bfloat16")
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
@@ -45,6 +45,8 @@ STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp
 # float8 row: the same layout without float8, the row its tokens/s are compared with.
 FLOAT8_REFERENCES = {"single_float8": "single", "fsdp2_float8": "fsdp2", "fsdp2_float8_rowwise": "fsdp2",
                      "fsdp2_float8_compiled": "fsdp2_compiled"}
+# Muon rows: the AdamW row of the same layout, whose optimizer step they are compared with.
+MUON_REFERENCES = {"single_muon": "single", "fsdp2_muon": "fsdp2"}
 # A mixture of experts' dense model of equal active parameters (the dense_twin row), beside its FSDP2 and EP rows.
 DENSE_TWINS = {"small_moe": "small_moe_dense"}
 
@@ -111,6 +113,8 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         # mixtures of experts only: experts split over the FSDP2 ranks; the dense twin as FSDP2
         "ep": (f"EP{n} over FSDP2({n})", nproc, ["--parallelism.dp_shard", n, "--parallelism.ep", n]),
         "dense_twin": ("FSDP2, the dense twin (equal active parameters)", nproc, ["--parallelism.dp_shard", n]),
+        "single_muon": ("single device, Muon", 1, ["--optimizer.name", "muon"]),
+        "fsdp2_muon": ("FSDP2, Muon", nproc, ["--parallelism.dp_shard", n, "--optimizer.name", "muon"]),
     }
 
 
@@ -166,6 +170,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
             "state_gib": rows[0]["state_gib"],
             **(collectives(folder / "trace") if key != "raw_pytorch" else
                {"collectives_per_step": 0.0, "bookkeeping_collectives_per_step": 0.0}),
+            "optimizer_seconds": phase_seconds(folder / "trace", "optimizer") if key != "raw_pytorch" else None,
             **({"idle": idle_fractions(folder / "trace")} if key.startswith("pp") else {})}
 
 
@@ -306,6 +311,15 @@ def moe_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
         + " tokens/s" for key in ("ep", "dense_twin") if key in by_key]
 
 
+def muon_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
+    """Each Muon row's optimizer step (rank 0, the profiled step) against AdamW's in the same layout."""
+    by_key = {r["key"]: r for r in rows}
+    return [f"{by_key[key]['layout']}: optimizer step " + ", ".join(
+        f"{1e3 * by_key[key][f'{d}_optimizer_seconds']:.0f} ms vs AdamW's "
+        f"{1e3 * by_key[reference][f'{d}_optimizer_seconds']:.0f} ms ({d})" for d in dtypes)
+        for key, reference in MUON_REFERENCES.items() if key in by_key and reference in by_key]
+
+
 def markdown(result: dict) -> str:
     cfg = result["settings"]
     lines = []
@@ -336,6 +350,7 @@ def markdown(result: dict) -> str:
         lines += [bubble_line(r, dtype) for r in rows for dtype in machine["dtypes"] if f"{dtype}_idle" in r]
         lines += float8_lines(rows, machine["dtypes"])
         lines += moe_lines(rows, machine["dtypes"])
+        lines += muon_lines(rows, machine["dtypes"])
         lines.append("")
     return "\n".join(lines).rstrip()
 

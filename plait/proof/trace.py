@@ -209,6 +209,12 @@ def idle_fractions(folder: str | Path) -> dict[int, float]:
     return idle
 
 
+def phase_seconds(folder: str | Path, phase: str, rank: int = 0) -> float:
+    """A rank's seconds per profiled step in one phase (forward, backward, optimizer)."""
+    annotations, steps = _annotations(_events(rank_files(Path(folder))[rank]))
+    return sum(e["dur"] for e in annotations if e["name"] == phase) / 1e6 / max(1, len(steps))
+
+
 def rank_files(folder: Path) -> dict[int, Path]:
     return {int(m[1]): p for p in folder.glob("rank*.json") if (m := re.fullmatch(r"rank(\d+)\.json", p.name))}
 
