@@ -271,6 +271,7 @@ LAYOUTS = {
     "single_moe_mb1": (1, [*MOE, "--training.micro_batch_size", "1"]),
     "ep2_moe": (2, [*MOE, *EP2]),
     "tp_moe": (2, [*MOE, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "simple_fsdp_moe": (2, [*MOE, *SIMPLE, *degrees(1, 2)]),
     "ep2_fsdp2_moe": (4, [*MOE, *EP2]),
     "ep2_hsdp_moe": (4, [*MOE, *EP2, *degrees(2, 2)]),
     "ep2_tp2_moe": (4, [*MOE, *EP2, *degrees(1, 2, tp=2)]),

@@ -131,7 +131,7 @@ def test_expert_parallelism_all_to_alls_in_forward_and_backward_in_bf16(train_on
     ([*MOE, "--parallelism.ep", "3"], "must divide dp_shard x cp"),
     ([*MOE, "--parallelism.ep", "2", "--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2",
       "--parallelism.dp_shard", "1"], "allowed with parallelism.dp_backend fsdp2 only"),
-    ([*MOE, "--parallelism.dp_backend", "simple_fsdp"], "allowed for mixtures of experts: fsdp2, ddp"),
+    ([*MOE, "--parallelism.dp_backend", "simple_fsdp", "--compile.enable"], "allowed: simple_fsdp without compile"),
 ])
 def test_bad_expert_options_fail_at_start_up_with_one_line(tmp_path, options, fragment):
     _, proc = run_plait(tmp_path, *options, check=False, nproc=2)

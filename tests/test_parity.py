@@ -69,7 +69,8 @@ FAMILY_ROWS = {name for name, _ in FAMILIES}
 # counts for a load-balancing loss of the whole sequences (and reorder attention's sums as in the
 # cp rows), 4.8e-7 with and without EP2 over the cp ranks. bf16: the mechanism of BF16_REORDERED, measured
 # 1.7e-4 (EP2).
-MOE_BOUNDS = {**{(name, "fp32"): FP32_REORDERED for name in ("ep2_moe", "tp_moe", "ep2_fsdp2_moe", "ep2_hsdp_moe",
+MOE_BOUNDS = {("simple_fsdp_moe", "fp32"): BITWISE,  # (measured: data parallelism as for Llama)
+              **{(name, "fp32"): FP32_REORDERED for name in ("ep2_moe", "tp_moe", "ep2_fsdp2_moe", "ep2_hsdp_moe",
                                                             "ep2_tp2_moe", "pp_ep2_moe", "cp_moe", "cp_ep2_moe",
                                                             "ep2_moe_sigmoid")},
               ("ep2_moe", "bf16"): BF16_REORDERED}

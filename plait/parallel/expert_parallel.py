@@ -52,9 +52,10 @@ def check_experts(args: ModelArgs, cfg: JobConfig) -> None:
         return
     if args.n_experts % p.ep:
         raise ConfigError(f"parallelism.ep: {p.ep} must divide the model's {args.n_experts} experts")
-    if p.dp_backend == "simple_fsdp":
-        raise ConfigError("parallelism.dp_backend: simple_fsdp casts every parameter to the compute dtype, the "
-                          "router's too, which runs in float32; allowed for mixtures of experts: fsdp2, ddp")
+    if p.dp_backend == "simple_fsdp" and cfg.compile.enable:
+        raise ConfigError("compile.enable: simple_fsdp compiles the whole model as one graph, which a mixture of "
+                          "experts' token counts (data-dependent sizes) break; allowed: simple_fsdp without compile, "
+                          "or dp_backend fsdp2 (which compiles each block, an MoE block in pieces)")
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
