@@ -281,9 +281,10 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
     if rank == 0:
         with torch.device("meta"):
             whole = Transformer(args)
+        active = f" ({num_params(whole, active=True) / 1e6:.1f}M active: {args.top_k} of {args.n_experts} experts)" \
+            if args.n_experts else ""
         print(f"plait: {parallel.describe(mesh)} | {cfg.checkpoint.load if cfg.model.flavor == 'auto' else cfg.model.flavor}: "
-              f"{num_params(whole) / 1e6:.1f}M params{' (tied embeddings)' if args.tie_embeddings else ''}"
-              f"{f' ({num_params(whole, active=True) / 1e6:.1f}M active: {args.top_k} of {args.n_experts} experts)' if args.n_experts else ''}, "
+              f"{num_params(whole) / 1e6:.1f}M params{' (tied embeddings)' if args.tie_embeddings else ''}{active}, "
               f"vocab {args.vocab_size} | {'+'.join(map(str, loader.num_sequences))} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
               f"{peak}\nplait: {precision.describe()}" + (f"\nplait: {pipeline.summary}" if pipeline else ""), flush=True)
