@@ -95,7 +95,8 @@ def test_collective_pattern_per_mode(train_once):
     assert collectives(tp, "backward")[("reduce_scatter_tensor", "float32")] == N_PARAMS
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("simple")])
+# (The MoE row's routers multiply in fp32 by design, tests/test_moe.py; Muon changes no matmul.)
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("simple") and not n.endswith(("_moe", "_muon"))])
 def test_dtype_probe_passes(train_once, name):
     probe = layout_run(train_once, name, BF16)[1]
     for phase in ("forward", "backward"):
