@@ -124,12 +124,13 @@ def orthogonalize_all(directions: list[torch.Tensor], steps: int) -> list[torch.
     """`newton_schulz` of each (whole) matrix, as local tensors or DTensors shaped and placed as
     given.
 
-    A DTensor sharded on dim 0 over one mesh dimension (FSDP2's and HSDP's shards, SimpleFSDP's,
-    experts under ep): the ranks of that dimension take the matrices in turn; one all-to-all brings
+    A DTensor sharded on dim 0 over one mesh dimension (FSDP2's and HSDP's shards, SimpleFSDP's):
+    the ranks of that dimension take the matrices in turn; one all-to-all brings
     each matrix's rows to the rank whose turn it is, which orthogonalises it whole, and a second
     sends the rows back: every rank sends and receives about its share of the parameters twice,
     and does 1/n of the work. (The ranks of other dimensions, replicas, each do the same.) Other
-    placements (TP's, and FSDP2 over TP): gathered whole on every rank, orthogonalised by each."""
+    placements (TP's, FSDP2 over TP, experts under ep): gathered whole on every rank, orthogonalised
+    by each."""
     out: list[torch.Tensor | None] = [None] * len(directions)
     rounds: dict = {}
     for i, d in enumerate(directions):
@@ -168,7 +169,8 @@ def row_sharded(d: DTensor) -> int | None:
 
 def rows_of(rows: int, n: int) -> list[int]:
     """Each of n ranks' rows of a dim-0 shard (torch.chunk's split, as DTensor's)."""
-    return [len(c) for c in torch.arange(rows).chunk(n)] + [0] * (n - len(torch.arange(rows).chunk(n)))
+    sizes = [len(c) for c in torch.arange(rows).chunk(n)]
+    return sizes + [0] * (n - len(sizes))
 
 
 def exchange(matrices: list[DTensor], group: dist.ProcessGroup, n: int, rank: int, steps: int) -> list[torch.Tensor]:
