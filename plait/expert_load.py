@@ -21,7 +21,7 @@ class ExpertLoad:
                  group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None):
         self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
         self.enabled, self.aux = bool(args.n_experts), args.router == "softmax"
-        n_moe = args.n_layers - len([i for i in args.dense_layers if i < args.n_layers])
+        n_moe = args.sparse_blocks
         # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/moe.py: aux_loss)
         cp = self.layers[0].sequence_ranks if self.layers else 1
         self.mean_over = n_moe * forwards * dist.get_world_size(group) // cp

@@ -209,8 +209,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, rope=index not in args.nope_layers)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        moe = args.n_experts and index not in args.dense_layers
-        self.feed_forward = MoE(args.dim, args) if moe else FeedForward(args)
+        self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         # (mask and cache by keyword: tensor parallelism's input plan covers the positional inputs)

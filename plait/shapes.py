@@ -63,6 +63,14 @@ class ModelArgs:
                 hidden = int(self.ffn_dim_multiplier * hidden)
             object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
 
+    def sparse(self, block: int) -> bool:
+        """Whether block `block` is a mixture of experts."""
+        return bool(self.n_experts) and block not in self.dense_layers
+
+    @property
+    def sparse_blocks(self) -> int:
+        return sum(map(self.sparse, range(self.n_layers)))
+
     def __hash__(self) -> int:  # (rope_scaling is a dict: hashed by its items)
         return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(self).values()))
 

@@ -205,7 +205,7 @@ def experts_line(args: ModelArgs, cfg: JobConfig) -> str:
     with torch.device("meta"):
         model = Transformer(args)
     total, active = num_params(model), num_params(model, active=True)
-    moe_layers = args.n_layers - len(args.dense_layers)
+    moe_layers = args.sparse_blocks
     # each token's k copies, bf16, out and back, in forward and in backward
     per_sequence = 2 * 2 * moe_layers * cfg.training.seq_len * args.top_k * args.dim * 2
     return (f"plan: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token ({args.top_k} of "

@@ -123,8 +123,8 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     sharded_by = (layout.shard > 1) + (p.tp > 1)
     out["step", "all_reduce", "scalars"] += 4 * (2 + (p.pp > 1)) + 8 * len(params) * sharded_by + 8 * (p.pp > 1)
     if args.n_experts:  # the step's expert load (int64 per layer and expert) and auxiliary loss; their pp reductions
-        moe_blocks = [i for i in block_indices(blocks) if i not in args.dense_layers]
-        out["step", "all_reduce", "scalars"] += 8 * len(moe_blocks) * args.n_experts + 4 + (4 + 16) * (p.pp > 1)
+        moe_blocks = sum(map(args.sparse, block_indices(blocks)))
+        out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 4 + (4 + 16) * (p.pp > 1)
     return out
 
 

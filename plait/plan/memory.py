@@ -237,7 +237,7 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp, masked(cfg),
-                                       cfg.parallelism.cp, joined(cfg), bool(args.n_experts) and i not in args.dense_layers)
+                                       cfg.parallelism.cp, joined(cfg), args.sparse(i))
                 for i in blocks)
     if last:
         vocab = args.vocab_size // tp

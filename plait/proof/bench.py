@@ -205,8 +205,7 @@ def bench(cfg: BenchConfig) -> dict:
             print(f"bench: {hardware_line(machine[flavor])}", file=sys.stderr, flush=True)
             for key in cfg.rows:
                 name, world, flags = layouts(cfg.nproc)[key]
-                if gpus_missing(world) or applies(key, flavor):
-                    why = applies(key, flavor) or f"it needs {world} GPUs"
+                if why := applies(key, flavor) or (f"it needs {world} GPUs" if gpus_missing(world) else ""):
                     print(f"bench: {name} skipped: {why}", file=sys.stderr, flush=True)
                     continue
                 if key == "dense_twin":
