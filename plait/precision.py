@@ -12,6 +12,13 @@ exists for: a trainer whose bf16 setting only reached FSDP runs, so DDP trained 
 | ddp        | autocast | torch.autocast around forward + loss       | all-reduce (+ bf16 compression hook)  |
 | simple_fsdp| param    | redistribute(forward_dtype=compute)        | redistribute(backward_dtype=reduce)   |
 | simple_fsdp| autocast | torch.autocast around forward + loss       | redistribute(backward_dtype=reduce)   |
+| one device | param    | each unit's cast on entry (`cast_units`)   | nothing to reduce: fp32 .grad         |
+| one device | autocast | torch.autocast around forward + loss       | nothing to reduce: fp32 .grad         |
+
+"One device" is fsdp2 on a world of one rank with fp32 gradients (`Precision.one_device`): there
+fully_shard would shard and reduce nothing, only copy every parameter into its all-gather buffer
+and out, and every gradient likewise, each step (13% of a bf16 step on `small`). Its numbers are
+fully_shard's at degree 1, to the bit: the same casts, gradients accumulated in fp32.
 
 `training.float8` (tensorwise or rowwise) is one more column: the blocks' linear layers multiply
 in float8 (torchao, `plait/float8.py`) and everything else as the row says; fsdp2 and ddp run it,
@@ -27,7 +34,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plait.config import ConfigError, JobConfig
+from plait.config import ConfigError, JobConfig, world_size
 from plait.float8 import check_float8
 from plait.hardware import native_bf16, pick_device
 
@@ -43,6 +50,13 @@ class Precision:
     emulated: bool = False  # bf16 asked for on hardware without bf16 matmul units: it runs, slowly
     chosen_by: str = ""  # how `auto` picked the compute dtype, for the start-up line
     float8: str = "none"  # float8 recipe of the blocks' linear layers, or none
+    world: int = 1  # ranks of the job
+
+    @property
+    def one_device(self) -> bool:
+        """No fully_shard (the table's "one device" rows): one rank, fsdp2, gradients kept in fp32.
+        A reduce dtype other than fp32 keeps fully_shard, whose degree-1 reduction rounds them as asked."""
+        return self.world == 1 and self.backend == "fsdp2" and self.reduce == torch.float32
 
     @property
     def autocast(self) -> bool:
@@ -67,6 +81,11 @@ class Precision:
         if self.backend == "simple_fsdp":
             cast = "torch.autocast(forward+loss)" if self.mode == "autocast" else f"forward_dtype={_name(self.compute)}"
             return f"SimpleFSDP redistribute({cast}, backward_dtype={_name(self.reduce)})"
+        if self.one_device:
+            cast = "torch.autocast(forward+loss)" if self.autocast else \
+                f"each block's (and the embedding's, norm's and output's) parameters cast to {_name(self.compute)} on " \
+                "entry" if self.compute != torch.float32 else "no casts"
+            return f"one device, no fully_shard (nothing to shard or reduce): {cast}, fp32 gradients"
         cast = "torch.autocast(forward+loss)" if self.mode == "autocast" else "fully_shard param_dtype cast"
         return f"fully_shard MixedPrecisionPolicy(param={_name(self.fsdp_policy().param_dtype)}, " \
                f"reduce={_name(self.reduce)}) + {cast}"
@@ -97,7 +116,8 @@ def resolve(cfg: JobConfig) -> Precision:
     compute = ("bfloat16" if native else "float32") if t.mixed_precision_param == "auto" else t.mixed_precision_param
     precision = Precision(DTYPES[compute], DTYPES[t.mixed_precision_reduce], t.mixed_precision_mode, backend,
                           emulated=compute == "bfloat16" and not native,
-                          chosen_by=f"auto: {why}" if t.mixed_precision_param == "auto" else "", float8=t.float8)
+                          chosen_by=f"auto: {why}" if t.mixed_precision_param == "auto" else "", float8=t.float8,
+                          world=world_size())
     if backend == "ddp" and precision.mode == "param" and precision.compute != torch.float32:
         raise ConfigError("training.mixed_precision_mode: param is not possible with parallelism.dp_backend ddp "
                           "(DistributedDataParallel cannot cast parameters at module boundaries); use "

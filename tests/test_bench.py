@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "3",
-                           "--seq_len", "64", "--rows", "raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp", "--out",
+                           "--seq_len", "64", "--rows", "raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "fsdp2", "fsdp2_ac_full", "pp", "--out",
                            str(out),
                            "--emulated_bf16", "run"],  # the same rows on every CPU kind
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -25,13 +25,16 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     assert "| raw PyTorch loop (no plait) | 1 |" in proc.stdout and "| FSDP2 | 2 |" in proc.stdout
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {row["key"]: row for row in result["rows"]}
-    assert list(rows) == ["raw_pytorch", "single", "ddp", "fsdp2", "fsdp2_ac_full", "pp"]
+    assert list(rows) == ["raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "fsdp2", "fsdp2_ac_full", "pp"]
     for dtype in ("float32", "bfloat16"):
         assert all(row[f"{dtype}_tokens_per_sec"] > 0 and row[f"{dtype}_vs_raw"] > 0
                    and row[f"{dtype}_memory_gib"] > 0 for row in rows.values())
         assert rows["raw_pytorch"][f"{dtype}_vs_raw"] == 1
         # Same model, same fp32 parameters, gradients and AdamW state: plait adds no state memory.
         assert rows["single"][f"{dtype}_state_gib"] == rows["raw_pytorch"][f"{dtype}_state_gib"]
+        # transformers' model of the same config.json holds the same parameters; the raw FSDP2 loop shards as plait.
+        assert rows["transformers"][f"{dtype}_state_gib"] == rows["single"][f"{dtype}_state_gib"]
+        assert rows["raw_fsdp2"][f"{dtype}_state_gib"] == rows["fsdp2"][f"{dtype}_state_gib"]
         assert rows["ddp"][f"{dtype}_state_gib"] == rows["single"][f"{dtype}_state_gib"]
         # FSDP2 at world 2 holds half of everything (up to shard padding).
         assert rows["fsdp2"][f"{dtype}_state_gib"] == pytest.approx(rows["ddp"][f"{dtype}_state_gib"] / 2, rel=1e-3)
@@ -51,6 +54,10 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
         assert f"PP2 (1f1b, 4 micro-batches) {dtype}: idle rank 0 " in proc.stdout
     line = "FSDP2 state per rank / DDP (fully_shard, replicate mesh) state per rank at world 2: 0.50"
     assert line in proc.stdout and line in out.with_suffix(".md").read_text()
+    for line in ("framework tax: single device vs raw PyTorch loop (no plait): ",
+                 "framework tax: single device vs transformers' model, raw loop: ",
+                 "framework tax: FSDP2 vs raw FSDP2 loop (fully_shard, no plait): "):
+        assert line in proc.stdout and "x (float32), " in proc.stdout.split(line)[1].splitlines()[0]
     machine = result["hardware"]["debug"]
     assert out.with_suffix(".md").read_text().startswith(f"hardware: {machine['device']} | native bf16: ")
     assert set(machine["peak_tflops"]) == {"float32", "bfloat16"} and all(machine["peak_tflops"].values())
@@ -63,7 +70,7 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
 def test_bench_says_when_bf16_was_not_measured():
     """Where bf16 is emulated, the default is to measure fp32 only and say so in place of the table;
     a float8 row is compared with the same layout without float8."""
-    from plait.proof.bench import markdown
+    from plait.proof.bench_table import markdown
 
     row = {"flavor": "debug", "key": "single", "layout": "single device", "world": 1, "float32_tokens_per_sec": 100.0,
            "float32_mfu": 0.5, "float32_vs_raw": None, "float32_memory_gib": 1.0, "float32_state_gib": 0.1,
@@ -77,3 +84,24 @@ def test_bench_says_when_bf16_was_not_measured():
     assert "| single device | 1 | 100 | 50.0% | - | 1.00 | 0.1 | 0 | - |" in text
     assert "bf16: not measured, emulated on this device (emulated here); `plait bench --emulated_bf16 run`" in text
     assert "bf16 tok/s" not in text
+
+
+def test_bench_tables_a_compiled_column_and_the_framework_tax():
+    """With --compile, the rows measured compiled show tokens/s and the ratio to eager, and the tax
+    lines compare eager with eager and compiled with compiled."""
+    from plait.proof.bench_table import markdown
+
+    def row(key, layout, eager, compiled=None):
+        return {"flavor": "debug", "key": key, "layout": layout, "world": 1, "float32_tokens_per_sec": eager,
+                "float32_mfu": None, "float32_vs_raw": None, "float32_memory_gib": 1.0, "float32_state_gib": 0.1,
+                "float32_collectives_per_step": 0, **({"float32_compiled_tokens_per_sec": compiled} if compiled else {})}
+
+    machine = {"device": "CPU", "native_bf16": False, "why": "-", "threads": 2, "dtypes": ["float32"],
+               "peak_tflops": {"float32": 0.1}}
+    rows = [row("raw_pytorch", "raw loop", 100.0, 150.0), row("single", "single device", 98.0, 156.0),
+            row("ddp", "DDP", 90.0)]
+    text = markdown({"settings": {"seq_len": 64, "global_batch_size": 4, "warmup": 2, "steps": 3, "compile": True},
+                     "hardware": {"debug": machine}, "rows": rows, "state_ratios": []})
+    assert "| layout | world | fp32 tok/s | compiled tok/s | MFU |" in text
+    assert "| single device | 1 | 98 | 156 (1.59x) | n/a |" in text and "| DDP | 1 | 90 | - | n/a |" in text
+    assert "framework tax: single device vs raw loop: 0.980x (float32), 1.040x (float32, compiled) tokens/s" in text

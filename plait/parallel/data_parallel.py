@@ -2,13 +2,18 @@
 (dp_shard x cp under context parallelism: cp ranks hold the same parameters).
 
 One mechanism covers every data-parallel layout: shard degree 1 is DDP (all-reduce only),
-replicate degree 1 is FSDP (all-gather + reduce-scatter), both is HSDP, and (1, 1) is a single
-device. Applying it everywhere, single device included, means mixed precision and gradient
-reduction follow one policy instead of differing per layout.
+replicate degree 1 is FSDP (all-gather + reduce-scatter), both is HSDP, so mixed precision and
+gradient reduction follow one policy instead of differing per layout. A world of one rank has
+nothing to shard or reduce: there fully_shard would only copy parameters and gradients in and
+out of its buffers, so `cast_units` does the one thing its policy still does at degree 1, the
+parameter cast (`Precision.one_device`).
 """
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -22,6 +27,11 @@ from plait.precision import Precision
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelined: bool = False,
                experts: DeviceMesh | None = None) -> nn.Module:
     """`experts`: the experts' mesh under expert parallelism (plait/parallel/expert_parallel.py)."""
+    if precision.one_device:
+        if precision.mode == "param" and precision.compute != torch.float32:
+            for unit in [*model.layers.values(), model]:
+                CastUnit(unit, precision.compute)
+        return model
     policy = precision.fsdp_policy()
     # Each block is its own unit so only one block's full parameters exist at a time. The last
     # block is not resharded after forward: backward needs it immediately. Without a shard
@@ -55,3 +65,60 @@ def shard_experts(moe: MoE, experts: DeviceMesh, policy: MixedPrecisionPolicy, r
     replicate = experts["dp_replicate"].size() > 1
     fully_shard(moe.experts, mesh=experts[("dp_replicate", "edp_shard")] if replicate else experts["edp_shard"],
                 mp_policy=policy, reshard_after_forward=reshard and experts["edp_shard"].size() > 1)
+
+
+class CastUnit:
+    """fully_shard's MixedPrecisionPolicy(param_dtype) at degree 1, without its buffers: the
+    parameters of one unit (a block; or the model's own, the embedding, final norm and output
+    layer, as fully_shard's root unit holds them) in the compute dtype from the unit's forward to
+    its backward.
+
+    On entering the unit's forward, each parameter is replaced in its module by a copy in the
+    compute dtype, a leaf of its own (as fully_shard's unsharded parameter is), so backward sums
+    its gradients in the compute dtype as there; a hook then adds the sum, in fp32, to the fp32
+    parameter's .grad (micro-batches accumulate in fp32, as fully_shard's do before reducing) and
+    puts the fp32 parameter back. The copies stay registered until then because an activation
+    checkpoint's recomputation in backward reads them from the modules. Forward without
+    gradients (evaluation) puts the parameters back when the unit returns.
+    """
+
+    def __init__(self, unit: nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
+        inner = {id(p) for child in unit.modules() if child is not unit and child in _UNITS
+                 for p in child.parameters()}
+        # (module, name) slots, not parameters: materialising the model replaces its parameters
+        self.slots = [(module, name) for module in unit.modules()
+                      for name, param in module.named_parameters(recurse=False) if id(param) not in inner]
+        _UNITS.add(unit)
+        unit.register_forward_pre_hook(self.cast)
+        unit.register_forward_hook(self.after_forward)
+
+    def cast(self, unit: nn.Module, args) -> None:
+        for module, name in self.slots:
+            held = module._parameters[name]
+            param = getattr(held, "cast_of", held)  # a copy left by a forward that had no backward
+            copy = nn.Parameter(param.detach().to(self.dtype), requires_grad=param.requires_grad)
+            copy.cast_of = param
+            if param.requires_grad and torch.is_grad_enabled():
+                copy.register_post_accumulate_grad_hook(lambda copy, slot=(module, name): self.give_back(*slot, copy))
+            module._parameters[name] = copy
+
+    def after_forward(self, unit: nn.Module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            for module, name in self.slots:
+                held = module._parameters[name]
+                module._parameters[name] = getattr(held, "cast_of", held)
+
+    @staticmethod
+    def give_back(module: nn.Module, name: str, copy: nn.Parameter) -> None:
+        param = copy.cast_of
+        if param.grad is None:
+            param.grad = copy.grad.to(param.dtype)
+        else:
+            param.grad += copy.grad
+        copy.grad = None
+        module._parameters[name] = param
+
+
+# Modules already made units: an outer unit (the model) leaves their parameters to them.
+_UNITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()

@@ -13,7 +13,7 @@ from plait import float8
 from plait.config import JobConfig, dp_degree
 from plait.model import ModelArgs, flops_per_token
 from plait.parallel.activation_checkpoint import checkpointed_blocks
-from plait.plan.memory import (Layout, block_indices, gathered_elements, holds_output, local_rows_cols, rank_parameters,
+from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols, rank_parameters,
                                rank_stages, units)
 
 
@@ -118,10 +118,11 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
                 out["forward", "recv", "pp"] += hop
                 out["backward", "send", "pp"] += hop
     # The loss is summed over dp (and over pp from the last stage), and the preemption signal over
-    # every rank: one float32 each. The gradient norm's per-parameter fp64 squares are summed over
-    # each dimension that shards them (dp_shard, tp), and the stages' sums over pp.
-    sharded_by = (layout.shard > 1) + (p.tp > 1)
-    out["step", "all_reduce", "scalars"] += 4 * (2 + (p.pp > 1)) + 8 * len(params) * sharded_by + 8 * (p.pp > 1)
+    # every rank: one float32 each. The gradient norm: one fp64 sum of squares per kind of
+    # sharding (which dimensions split a parameter: dp_shard x cp, tp for TP's weights) is summed
+    # over each of its dimensions, and the stages' sums over pp.
+    kinds = {(layout.shard > 1, p.tp > 1 and name.endswith(COLWISE + ROWWISE)) for name in params}
+    out["step", "all_reduce", "scalars"] += 4 * (2 + (p.pp > 1)) + 8 * sum(map(sum, kinds)) + 8 * (p.pp > 1)
     if args.n_experts:  # the step's expert load (int64 per layer and expert) and auxiliary loss; their pp reductions
         moe_blocks = sum(map(args.sparse, block_indices(blocks)))
         out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 4 + (4 + 16) * (p.pp > 1)

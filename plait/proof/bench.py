@@ -1,8 +1,10 @@
 """`plait bench`: layouts x precisions measured side by side in one invocation.
 
 Each row is a real `plait train` run (under torchrun for world > 1) on the same model, data
-and batch, and `raw_pytorch` is the plainest PyTorch loop of the same model
-(plait/proof/baseline.py): the yardstick for plait's overhead. Per row and precision: tokens/s and
+and batch. The yardsticks for plait's overhead are the plainest PyTorch loops
+(plait/proof/baseline.py): `raw_pytorch` (plait's model), `transformers` (transformers' model of
+the same config.json) and `raw_fsdp2` (plait's model under bare fully_shard at the distributed
+rows' world). Per row and precision: tokens/s and
 MFU (medians over the steps after warm-up), tokens/s over the raw loop's in the same precision,
 peak memory, the exact memory of parameters + gradients + optimizer state on rank 0, and the
 collectives rank 0 issues per step, counted in a profiler trace of one extra step after the
@@ -13,6 +15,7 @@ only ratios between rows of one invocation mean much.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -31,24 +34,22 @@ from plait.config import ConfigError, Data, Flavor
 from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.model import FLAVORS, linear_weight_shapes, model_args
+from plait.proof.bench_table import DTYPES, PP_MICROBATCHES, hardware_line, markdown
 from plait.proof.trace import idle_fractions, phase_seconds, summarise
 
-Row = Literal["raw_pytorch", "single", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
+Row = Literal["raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
               "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
               "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled",
               "ep", "dense_twin", "single_muon", "fsdp2_muon"]
-PP_MICROBATCHES = 4
-DTYPES = ("float32", "bfloat16")
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
 # 1/world of DDP's state per rank; a pipeline stage 1/pp of the single device's.
 STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp_classic"), "pp": ("single",)}
-# float8 row: the same layout without float8, the row its tokens/s are compared with.
-FLOAT8_REFERENCES = {"single_float8": "single", "fsdp2_float8": "fsdp2", "fsdp2_float8_rowwise": "fsdp2",
-                     "fsdp2_float8_compiled": "fsdp2_compiled"}
-# Muon rows: the AdamW row of the same layout, whose optimizer step they are compared with.
-MUON_REFERENCES = {"single_muon": "single", "fsdp2_muon": "fsdp2"}
 # A mixture of experts' dense model of equal active parameters (the dense_twin row), beside its FSDP2 and EP rows.
 DENSE_TWINS = {"small_moe": "small_moe_dense"}
+# The raw loops (plait/proof/baseline.py): row -> the loop's own options.
+RAW = {"raw_pytorch": [], "transformers": ["--model", "transformers"], "raw_fsdp2": []}
+# Rows `--compile` measures compiled as well (each block compiled, in plait and in the loops alike).
+COMPILABLE = ("raw_pytorch", "transformers", "single", "raw_fsdp2", "fsdp2")
 
 
 @dataclass
@@ -72,6 +73,8 @@ class BenchConfig:
     """CPU threads per rank; 0 = cores / ranks, so every row uses the whole machine"""
     out: str = ""
     """also write the tables as JSON (FILE.json, every number) and markdown (FILE.md)"""
+    compile: bool = False
+    """also measure the raw loops, the single device and FSDP2 with each block compiled (a compiled tok/s column)"""
     emulated_bf16: Literal["skip", "run"] = "skip"
     """where the device has no bf16 matmul units (e.g. AVX2-only CPUs, 150-280x slower in bf16): skip = measure
     fp32 only and say so in the table; run = measure the bf16 rows anyway"""
@@ -86,7 +89,9 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
     float8 = ["--training.float8", "tensorwise"]
     return {
         "raw_pytorch": ("raw PyTorch loop (no plait)", 1, []),
+        "transformers": ("transformers' model, raw loop", 1, []),
         "single": ("single device", 1, []),
+        "raw_fsdp2": ("raw FSDP2 loop (fully_shard, no plait)", nproc, []),
         "ddp": ("DDP (fully_shard, replicate mesh)", nproc, ["--parallelism.dp_replicate", n]),
         "ddp_classic": ("DDP (classic, autocast)", nproc, ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate",
                                                           n, "--training.mixed_precision_mode", "autocast"]),
@@ -118,13 +123,26 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
     }
 
 
-def applies(key: str, flavor: str) -> str:
+def applies(key: str, flavor: str, attention_mask: str) -> str:
     """Why a row does not apply to a flavor, or "" when it does."""
     if key == "ep" and not FLAVORS[flavor].n_experts:
         return "it needs a mixture of experts (e.g. --flavor small_moe)"
     if key == "dense_twin" and flavor not in DENSE_TWINS:
         return f"only {', '.join(DENSE_TWINS)} has a dense twin"
+    if key == "transformers":
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed (pip install -e '.[test]')"
+        if FLAVORS[flavor].family not in hf_families():
+            return f"transformers has no {FLAVORS[flavor].family} model plait exports"
+        if attention_mask != "causal":
+            return "its loop runs the causal mask only"
     return ""
+
+
+def hf_families() -> tuple[str, ...]:
+    from plait.hf.config import FAMILIES
+
+    return tuple(FAMILIES)
 
 
 def flavors(cfg: BenchConfig) -> list[str]:
@@ -139,38 +157,43 @@ def gpus_missing(world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() < world
 
 
-def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str], dtype: str, folder: Path) -> dict:
+def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str], dtype: str, folder: Path,
+            compiled: bool = False) -> dict:
     """One training run: its medians and peaks, state memory and collectives per step."""
     folder.mkdir(parents=True)
-    if key == "raw_pytorch":
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
+        if world > 1 else [sys.executable]
+    if key in RAW:
         # plait's single-device row has dp 1, so micro-batch = global batch: the same one forward.
-        command = [sys.executable, "-m", "plait.proof.baseline", "--flavor", flavor, "--steps", str(cfg.steps),
+        command = [*launcher, "-m", "plait.proof.baseline", "--flavor", flavor, "--steps", str(cfg.steps),
                    "--seq_len", str(cfg.seq_len), "--batch_size", str(cfg.global_batch_size), "--dtype", dtype,
-                   "--threads", str(cfg.threads), "--attention_mask", cfg.attention_mask]
+                   "--threads", str(cfg.threads), "--attention_mask", cfg.attention_mask, *RAW[key],
+                   *["--compile"] * compiled]
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
-            if world > 1 else [sys.executable]
         profiled = str(cfg.steps + 1)
         command = [*launcher, "-m", "plait", "train", "--model.flavor", flavor, "--training.steps", profiled,
                    "--training.seq_len", str(cfg.seq_len), "--training.global_batch_size", str(cfg.global_batch_size),
                    "--training.warmup_steps", "1", "--training.mixed_precision_param", dtype,
                    "--training.threads", str(cfg.threads), "--metrics.jsonl", str(folder / "metrics.jsonl"),
                    "--profiling.enable", "--profiling.start_step", profiled, "--profiling.steps", "1",
-                   "--profiling.folder", str(folder / "trace"), "--model.attention_mask", cfg.attention_mask, *flags]
+                   "--profiling.folder", str(folder / "trace"), "--model.attention_mask", cfg.attention_mask, *flags,
+                   *["--compile.enable"] * compiled]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench row failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
-    lines = proc.stdout if key == "raw_pytorch" else (folder / "metrics.jsonl").read_text()
+    lines = proc.stdout if key in RAW else (folder / "metrics.jsonl").read_text()
     rows = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
     measured = [r for r in rows if cfg.warmup < r["step"] <= cfg.steps]
+    if compiled:
+        return {"compiled_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured)}
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
             # None where the peak proved untrustworthy (plait.metrics.Utilisation): no number beats a wrong one.
             "mfu": None if None in (mfus := [r["mfu"] for r in measured]) else statistics.median(mfus),
             "memory_gib": max(r["memory_gib"] for r in measured),
             "state_gib": rows[0]["state_gib"],
-            **(collectives(folder / "trace") if key != "raw_pytorch" else
+            **(collectives(folder / "trace") if key not in RAW else
                {"collectives_per_step": 0.0, "bookkeeping_collectives_per_step": 0.0}),
-            "optimizer_seconds": phase_seconds(folder / "trace", "optimizer") if key != "raw_pytorch" else None,
+            "optimizer_seconds": phase_seconds(folder / "trace", "optimizer") if key not in RAW else None,
             **({"idle": idle_fractions(folder / "trace")} if key.startswith("pp") else {})}
 
 
@@ -205,7 +228,7 @@ def bench(cfg: BenchConfig) -> dict:
             print(f"bench: {hardware_line(machine[flavor])}", file=sys.stderr, flush=True)
             for key in cfg.rows:
                 name, world, flags = layouts(cfg.nproc)[key]
-                if why := applies(key, flavor) or (f"it needs {world} GPUs" if gpus_missing(world) else ""):
+                if why := applies(key, flavor, cfg.attention_mask) or (f"it needs {world} GPUs" if gpus_missing(world) else ""):
                     print(f"bench: {name} skipped: {why}", file=sys.stderr, flush=True)
                     continue
                 if key == "dense_twin":
@@ -217,6 +240,10 @@ def bench(cfg: BenchConfig) -> dict:
                         folder = Path(tmp) / f"{flavor}-{key}-{dtype}"
                         for metric, value in run_row(cfg, flavor, key, world, flags, dtype, folder).items():
                             row[f"{dtype}_{metric}"] = value
+                        if cfg.compile and key in COMPILABLE:
+                            print(f"bench: {flavor}, {name}, {dtype}, compiled ...", file=sys.stderr, flush=True)
+                            row.update({f"{dtype}_{metric}": value for metric, value in run_row(
+                                cfg, flavor, key, world, flags, dtype, Path(f"{folder}-compiled"), compiled=True).items()})
                 except (RuntimeError, ConfigError) as e:  # one broken row must not cost the others' measurements
                     print(f"bench: {name} FAILED, left out of the table:\n{e}", file=sys.stderr, flush=True)
                     continue
@@ -228,13 +255,6 @@ def bench(cfg: BenchConfig) -> dict:
     add_vs_raw(table)
     add_ac_effect(table)
     return {"settings": asdict(cfg), "hardware": machine, "rows": table, "state_ratios": state_ratios(table)}
-
-
-def hardware_line(machine: dict) -> str:
-    peaks = ", ".join(f"{dtype} {tflops:.3g}" for dtype, tflops in machine["peak_tflops"].items())
-    return (f"hardware: {machine['device']} | native bf16: {'yes' if machine['native_bf16'] else 'no'} "
-            f"({machine['why']}) | {machine['threads']} threads per single-device row | peak TFLOP/s of this "
-            f"flavor's fastest linear layer: {peaks}")
 
 
 def add_vs_raw(table: list[dict]) -> None:
@@ -258,12 +278,6 @@ def add_ac_effect(table: list[dict]) -> None:
                 r[f"{dtype}_ac_speed"] = r[f"{dtype}_tokens_per_sec"] / base[f"{dtype}_tokens_per_sec"]
 
 
-def ac_cell(row: dict, dtype: str) -> str:
-    if f"{dtype}_ac_saved_gib" not in row:
-        return "-"
-    return f"{row[f'{dtype}_ac_saved_gib']:+.2f} GiB saved, {row[f'{dtype}_ac_speed']:.2f}x tok/s"
-
-
 def state_ratios(table: list[dict]) -> list[dict]:
     """State memory per rank of each sharded or pipelined layout over that of the layout holding
     it whole (fp32 runs; bf16 holds the same fp32 parameters, gradients and AdamW state)."""
@@ -277,81 +291,6 @@ def state_ratios(table: list[dict]) -> list[dict]:
                                "reference": reference["layout"],
                                "ratio": rows[key]["float32_state_gib"] / reference["float32_state_gib"]})
     return ratios
-
-
-def bubble_line(row: dict, dtype: str) -> str:
-    """A pipeline row's measured idle share per rank (outside forward and backward: the bubble,
-    plus the optimizer and bookkeeping every layout has) next to the schedule's ideal bubble."""
-    stages = 2
-    ideal = (stages - 1) / (PP_MICROBATCHES + stages - 1)
-    idle = ", ".join(f"rank {rank} {100 * share:.0f}%" for rank, share in sorted(row[f"{dtype}_idle"].items()))
-    return f"{row['layout']} {dtype}: idle {idle}; ideal bubble (p-1)/(m+p-1) = {100 * ideal:.0f}%"
-
-
-def float8_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
-    """Each float8 row's tokens/s against the same layout without float8, per compute dtype."""
-    by_key = {r["key"]: r for r in rows}
-    lines = []
-    for key, reference in FLOAT8_REFERENCES.items():
-        if key in by_key and reference in by_key:
-            ratios = ", ".join(f"{by_key[key][f'{d}_tokens_per_sec'] / by_key[reference][f'{d}_tokens_per_sec']:.2f}x "
-                               f"({d})" for d in dtypes)
-            lines.append(f"{by_key[key]['layout']} vs {by_key[reference]['layout']}: {ratios} tokens/s")
-    return lines
-
-
-def moe_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
-    """A mixture of experts' EP row and its dense twin against its FSDP2 row (tokens/s)."""
-    by_key = {r["key"]: r for r in rows}
-    if "fsdp2" not in by_key:
-        return []
-    return [f"{by_key[key]['layout']} vs FSDP2 (mixture of experts): " + ", ".join(
-        f"{by_key[key][f'{d}_tokens_per_sec'] / by_key['fsdp2'][f'{d}_tokens_per_sec']:.2f}x ({d})" for d in dtypes)
-        + " tokens/s" for key in ("ep", "dense_twin") if key in by_key]
-
-
-def muon_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
-    """Each Muon row's optimizer step (rank 0, the profiled step) against AdamW's in the same layout."""
-    by_key = {r["key"]: r for r in rows}
-    return [f"{by_key[key]['layout']}: optimizer step " + ", ".join(
-        f"{1e3 * by_key[key][f'{d}_optimizer_seconds']:.0f} ms vs AdamW's "
-        f"{1e3 * by_key[reference][f'{d}_optimizer_seconds']:.0f} ms ({d})" for d in dtypes)
-        for key, reference in MUON_REFERENCES.items() if key in by_key and reference in by_key]
-
-
-def markdown(result: dict) -> str:
-    cfg = result["settings"]
-    lines = []
-    for flavor in dict.fromkeys(r["flavor"] for r in result["rows"]):
-        rows, machine = [r for r in result["rows"] if r["flavor"] == flavor], result["hardware"][flavor]
-        lines += [hardware_line(machine), "", f"flavor {flavor}, seq {cfg['seq_len']}, global batch {cfg['global_batch_size']}, "
-                  f"median of steps {cfg['warmup'] + 1}-{cfg['steps']}; state = parameters + gradients + optimizer "
-                  f"state on rank 0; collectives per step on rank 0, loss and grad-norm reductions left out", ""]
-        for dtype, short in zip(DTYPES, ("fp32", "bf16")):
-            if dtype not in machine["dtypes"]:
-                lines += [f"{short}: not measured, emulated on this device ({machine['why']}); "
-                          "`plait bench --emulated_bf16 run` measures it anyway", ""]
-                continue
-            speedup = " vs fp32 |" if dtype == "bfloat16" else ""
-            lines += [f"| layout | world | {short} tok/s | MFU | vs raw |{speedup} peak mem GiB | state GiB/rank "
-                      f"| collectives/step | AC vs FSDP2 |",
-                      "|---|---|---|---|---|---|---|---|---|" + "---|" * bool(speedup)]
-            for r in rows:
-                vs_raw, mfu = r[f"{dtype}_vs_raw"], r[f"{dtype}_mfu"]
-                lines.append(f"| {r['layout']} | {r['world']} | {r[f'{dtype}_tokens_per_sec']:.0f} "
-                             f"| {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {'-' if vs_raw is None else f'{vs_raw:.2f}x'} |"
-                             + (f" {r['bf16_speedup']:.2f}x |" if speedup else "")
-                             + f" {r[f'{dtype}_memory_gib']:.2f} | {r[f'{dtype}_state_gib']:.3g} "
-                             f"| {r[f'{dtype}_collectives_per_step']:g} | {ac_cell(r, dtype)} |")
-            lines.append("")
-        lines += [f"{s['layout']} state per rank / {s['reference']} state per rank at world {s['world']}: "
-                  f"{s['ratio']:.2f}" for s in result["state_ratios"] if s["flavor"] == flavor]
-        lines += [bubble_line(r, dtype) for r in rows for dtype in machine["dtypes"] if f"{dtype}_idle" in r]
-        lines += float8_lines(rows, machine["dtypes"])
-        lines += moe_lines(rows, machine["dtypes"])
-        lines += muon_lines(rows, machine["dtypes"])
-        lines.append("")
-    return "\n".join(lines).rstrip()
 
 
 def main(argv: list[str]) -> int:
