@@ -105,7 +105,7 @@ def train(cfg: BaselineConfig) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_ranks))
-    torch.manual_seed(int(os.environ.get("RANK", "0")))
+    torch.manual_seed(0)  # one initial model, whose shards the ranks keep
     # The vocabulary of plait's default tokenizer (the bench's rows use the default data), so the
     # embedding and output layer have plait's shapes; the tokens themselves are random.
     tokenizer = build_tokenizer(Data())
@@ -127,9 +127,10 @@ def train(cfg: BaselineConfig) -> None:
     utilisation = Utilisation(flops_per_token(args, cfg.seq_len), peak, devices=world)
     state_gib = None
     eos = eos_id(tokenizer)
+    tokens = torch.Generator().manual_seed(1 + int(os.environ.get("RANK", "0")))  # each rank its own batches
     for step in range(1, cfg.steps + 1):
         start = time.perf_counter()
-        batch = torch.randint(args.vocab_size, (per_rank, cfg.seq_len + 1)).to(device)
+        batch = torch.randint(args.vocab_size, (per_rank, cfg.seq_len + 1), generator=tokens).to(device)
         inputs, labels, attention = batch[:, :-1], batch[:, 1:], {}
         if cfg.attention_mask == "document":
             documents = document_ids(inputs, eos)
