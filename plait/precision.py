@@ -12,7 +12,7 @@ exists for: a trainer whose bf16 setting only reached FSDP runs, so DDP trained 
 | ddp        | autocast | torch.autocast around forward + loss       | all-reduce (+ bf16 compression hook)  |
 | simple_fsdp| param    | redistribute(forward_dtype=compute)        | redistribute(backward_dtype=reduce)   |
 | simple_fsdp| autocast | torch.autocast around forward + loss       | redistribute(backward_dtype=reduce)   |
-| one device | param    | each unit's cast on entry (`cast_units`)   | nothing to reduce: fp32 .grad         |
+| one device | param    | each unit's cast on entry (`CastUnit`)     | nothing to reduce: fp32 .grad         |
 | one device | autocast | torch.autocast around forward + loss       | nothing to reduce: fp32 .grad         |
 
 "One device" is fsdp2 on a world of one rank with fp32 gradients (`Precision.one_device`): there

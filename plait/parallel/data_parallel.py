@@ -5,7 +5,7 @@ One mechanism covers every data-parallel layout: shard degree 1 is DDP (all-redu
 replicate degree 1 is FSDP (all-gather + reduce-scatter), both is HSDP, so mixed precision and
 gradient reduction follow one policy instead of differing per layout. A world of one rank has
 nothing to shard or reduce: there fully_shard would only copy parameters and gradients in and
-out of its buffers, so `cast_units` does the one thing its policy still does at degree 1, the
+out of its buffers, so `CastUnit` does the one thing its policy still does at degree 1, the
 parameter cast (`Precision.one_device`).
 """
 
