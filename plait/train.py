@@ -96,6 +96,21 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
 NORM_CHUNK = 1 << 18
 
 
+def local_squares(grad: torch.Tensor) -> tuple:
+    """(kind of sharding, float64 sum of the squares of the values this rank holds) of a gradient.
+    The kind: None for a plain tensor, else (mesh, which of its dimensions shard it: Shard, or
+    FSDP2+TP's _StridedShard; a one-rank dimension has nothing to add)."""
+    key = None
+    if isinstance(grad, DTensor):
+        if any(pl.is_partial() for pl in grad.placements):  # (a pending sum: completed first)
+            grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+        key = (grad.device_mesh, tuple(not pl.is_replicate() and size > 1
+                                       for pl, size in zip(grad.placements, grad.device_mesh.shape)))
+        grad = grad.to_local()
+    return key, sum((chunk.square().sum(dtype=torch.float64) for chunk in grad.reshape(-1).split(NORM_CHUNK)),
+                    torch.zeros((), dtype=torch.float64, device=grad.device))
+
+
 def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> float:
     """Global gradient norm over all shards, clipping to max_norm unless it is 0.
 
@@ -112,23 +127,10 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> flo
     by_mesh: dict = {}
     squares: dict = {}  # (mesh, which of its dimensions shard) or None (a plain tensor): float64 sum
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        grad = p.grad
-        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(p)
-        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
-            # (a pending reduction, Partial: DTensor's own norm completes it first)
-            key = (grad.device_mesh, (False,) * grad.device_mesh.ndim)
-            value = torch.linalg.vector_norm(grad, dtype=torch.float64).full_tensor().square()
-        else:
-            # (Shard, or FSDP2+TP's _StridedShard; a one-rank dimension has nothing to add)
-            key = (grad.device_mesh, tuple(not pl.is_replicate() and size > 1 for pl, size in
-                                           zip(grad.placements, grad.device_mesh.shape))) \
-                if isinstance(grad, DTensor) else None
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            value = sum((chunk.square().sum(dtype=torch.float64) for chunk in local.reshape(-1).split(NORM_CHUNK)),
-                        torch.zeros((), dtype=torch.float64, device=local.device))
-        squares[key] = squares[key] + value if key in squares else value
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+            key, value = local_squares(p.grad)
+            squares[key] = squares.get(key, 0) + value
     total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     for key, value in squares.items():
         if key is not None:  # summed over the dimensions that shard, as they are

@@ -11,8 +11,6 @@ parameter cast (`Precision.one_device`).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,8 +27,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelin
     """`experts`: the experts' mesh under expert parallelism (plait/parallel/expert_parallel.py)."""
     if precision.one_device:
         if precision.mode == "param" and precision.compute != torch.float32:
-            for unit in [*model.layers.values(), model]:
-                CastUnit(unit, precision.compute)
+            blocks = list(model.layers.values())
+            for block in blocks:
+                CastUnit(block, precision.compute)
+            CastUnit(model, precision.compute, inner=blocks)
         return model
     policy = precision.fsdp_policy()
     # Each block is its own unit so only one block's full parameters exist at a time. The last
@@ -82,14 +82,13 @@ class CastUnit:
     gradients (evaluation) puts the parameters back when the unit returns.
     """
 
-    def __init__(self, unit: nn.Module, dtype: torch.dtype):
+    def __init__(self, unit: nn.Module, dtype: torch.dtype, inner: list[nn.Module] = ()):
+        """`inner`: units inside this one, which cast their own parameters."""
         self.dtype = dtype
-        inner = {id(p) for child in unit.modules() if child is not unit and child in _UNITS
-                 for p in child.parameters()}
+        skipped = {id(p) for child in inner for p in child.parameters()}
         # (module, name) slots, not parameters: materialising the model replaces its parameters
         self.slots = [(module, name) for module in unit.modules()
-                      for name, param in module.named_parameters(recurse=False) if id(param) not in inner]
-        _UNITS.add(unit)
+                      for name, param in module.named_parameters(recurse=False) if id(param) not in skipped]
         unit.register_forward_pre_hook(self.cast)
         unit.register_forward_hook(self.after_forward)
 
@@ -118,7 +117,3 @@ class CastUnit:
             param.grad += copy.grad
         copy.grad = None
         module._parameters[name] = param
-
-
-# Modules already made units: an outer unit (the model) leaves their parameters to them.
-_UNITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()

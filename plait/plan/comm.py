@@ -13,8 +13,8 @@ from plait import float8
 from plait.config import JobConfig, dp_degree
 from plait.model import ModelArgs, flops_per_token
 from plait.parallel.activation_checkpoint import checkpointed_blocks
-from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols, rank_parameters,
-                               rank_stages, units)
+from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
+                               rank_parameters, rank_stages, units)
 
 
 def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[tuple[str, str], int]:

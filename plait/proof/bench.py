@@ -33,12 +33,13 @@ from plait.arguments import parse
 from plait.config import ConfigError, Data, Flavor
 from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
+from plait.hf.config import FAMILIES as HF_FAMILIES
 from plait.model import FLAVORS, linear_weight_shapes, model_args
 from plait.proof.bench_table import DTYPES, PP_MICROBATCHES, hardware_line, markdown
 from plait.proof.trace import idle_fractions, phase_seconds, summarise
 
-Row = Literal["raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "ddp_classic", "fsdp2", "simple_fsdp", "simple_fsdp_compiled",
-              "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
+Row = Literal["raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "ddp_classic", "fsdp2", "simple_fsdp",
+              "simple_fsdp_compiled", "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
               "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled",
               "ep", "dense_twin", "single_muon", "fsdp2_muon"]
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
@@ -132,17 +133,12 @@ def applies(key: str, flavor: str, attention_mask: str) -> str:
     if key == "transformers":
         if importlib.util.find_spec("transformers") is None:
             return "transformers is not installed (pip install -e '.[test]')"
-        if FLAVORS[flavor].family not in hf_families():
+        if FLAVORS[flavor].family not in HF_FAMILIES:
             return f"transformers has no {FLAVORS[flavor].family} model plait exports"
         if attention_mask != "causal":
             return "its loop runs the causal mask only"
     return ""
 
-
-def hf_families() -> tuple[str, ...]:
-    from plait.hf.config import FAMILIES
-
-    return tuple(FAMILIES)
 
 
 def flavors(cfg: BenchConfig) -> list[str]:
@@ -228,7 +224,8 @@ def bench(cfg: BenchConfig) -> dict:
             print(f"bench: {hardware_line(machine[flavor])}", file=sys.stderr, flush=True)
             for key in cfg.rows:
                 name, world, flags = layouts(cfg.nproc)[key]
-                if why := applies(key, flavor, cfg.attention_mask) or (f"it needs {world} GPUs" if gpus_missing(world) else ""):
+                why = applies(key, flavor, cfg.attention_mask) or (f"it needs {world} GPUs" if gpus_missing(world) else "")
+                if why:
                     print(f"bench: {name} skipped: {why}", file=sys.stderr, flush=True)
                     continue
                 if key == "dense_twin":
