@@ -84,6 +84,9 @@ class Training:
     """auto = CUDA+NCCL when present, else CPU+gloo"""
     threads: int = 0
     """CPU threads per rank; 0 = cores / local ranks (results depend on it: pin it to compare runs)"""
+    host_memory: Literal["auto", "retain", "release"] = "auto"
+    """retain: keep freed host memory in the process (glibc: no mmap, no trimming) instead of faulting the same
+    activations in again every step; release: glibc's default; auto = retain on a CPU device (plait/host_memory.py)"""
     mixed_precision_param: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     """compute dtype of matmuls; auto = bfloat16 where the device has bf16 matmul units (CUDA sm80+, AMX or
     AVX512-BF16 CPUs), float32 where bf16 would be emulated (float16 is refused: it would need loss scaling)"""

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from plait import float8, hf, optim, parallel, schedule
+from plait import float8, hf, host_memory, optim, parallel, schedule
 from plait.checkpoint import (Checkpointer, check_compatible, check_optimizer_kept, check_owner, job_identity,
                               latest_complete)
 from plait.checks import check_options
@@ -259,6 +259,7 @@ def run(cfg: JobConfig) -> list[dict]:
     check_data_sizes(cfg, corpus)
 
     device = pick_device(cfg.training.device)
+    host_memory.configure(cfg.training.host_memory, device)
     owned = not dist.is_initialized()  # `plait doctor` runs its job on the group it already has
     if owned:
         init_distributed(cfg, device)
