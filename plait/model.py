@@ -87,7 +87,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     # As complex numbers the rotation is one product, (x0 + i x1)(cos + i sin): forward values
     # bit for bit those of the four real products, in a third of their time forward + backward.
     # In fp32 whatever x's dtype, so a bf16 x's gradient is rounded to bf16 once, not per term.
-    rotation = torch.view_as_complex(table)[..., None, :]
+    rotation = torch.view_as_complex(table.float())[..., None, :]  # (fully_shard may cast it as a block input)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
