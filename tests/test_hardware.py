@@ -85,7 +85,6 @@ def test_mfu_above_one_is_not_reported_and_the_stale_peak_is_dropped(tmp_path, c
     assert utilisation.mfu(3, tokens_per_sec=500) is None  # the whole run's MFU shares one untrusted peak
 
 
-
 IN_HEAP = """
 import sys, torch
 from plait import host_memory
@@ -107,7 +106,7 @@ print(retained, inside, heap()[1] == end)
 def test_host_memory_retain_serves_large_blocks_from_the_heap_and_keeps_them(choice, device, retained):
     """training.host_memory: retained, a 64 MiB block comes from the heap and stays there when
     freed, so the next step reuses its pages (the faults it saves are measured in
-    docs/performance.md); released, glibc maps it on its own and unmaps it when freed."""
+    docs/performance.md); released, glibc maps it on its own, outside the heap."""
     out = subprocess.run([sys.executable, "-c", IN_HEAP, choice, device], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout.split()
     assert out == [str(retained)] * 3 if retained else out[:2] == ["False", "False"]
