@@ -105,3 +105,29 @@ def test_bench_tables_a_compiled_column_and_the_framework_tax():
     assert "| layout | world | fp32 tok/s | compiled tok/s | MFU |" in text
     assert "| single device | 1 | 98 | 156 (1.59x) | n/a |" in text and "| DDP | 1 | 90 | - | n/a |" in text
     assert "framework tax: single device vs raw loop: 0.980x (float32), 1.040x (float32, compiled) tokens/s" in text
+
+
+def test_bench_rounds_take_each_rows_median_speed_and_highest_peak():
+    """--rounds runs every row once per round: a row's tokens/s (and MFU) is the median of its
+    rounds, its peak memory the highest, and the rounds' speeds stay in the JSON."""
+    from plait.config import ConfigError
+    from plait.proof.bench import BenchConfig, across_rounds, bench
+    from plait.proof.bench_table import markdown
+
+    runs = [{"float32_tokens_per_sec": tps, "float32_compiled_tokens_per_sec": 2 * tps, "float32_mfu": tps / 1000,
+             "float32_memory_gib": mem, "float32_state_gib": 0.1, "float32_collectives_per_step": 3}
+            for tps, mem in ((100.0, 1.0), (130.0, 1.5), (90.0, 1.2))]
+    row = across_rounds(runs)
+    assert row["float32_tokens_per_sec"] == 100.0 and row["float32_compiled_tokens_per_sec"] == 200.0
+    assert row["float32_mfu"] == 0.1 and row["float32_memory_gib"] == 1.5
+    assert row["float32_state_gib"] == 0.1 and row["float32_collectives_per_step"] == 3
+    assert row["rounds_tokens_per_sec"]["float32_tokens_per_sec"] == [100.0, 130.0, 90.0]
+    assert "rounds_tokens_per_sec" not in across_rounds(runs[:1])
+    machine = {"device": "CPU", "native_bf16": False, "why": "-", "threads": 2, "dtypes": ["float32"],
+               "peak_tflops": {"float32": 0.1}}
+    table = {"flavor": "debug", "key": "single", "layout": "single device", "world": 1, "float32_vs_raw": None, **row}
+    text = markdown({"settings": {"seq_len": 64, "global_batch_size": 4, "warmup": 2, "steps": 3, "rounds": 3},
+                     "hardware": {"debug": machine}, "rows": [table], "state_ratios": []})
+    assert "median of steps 3-3, then of 3 rounds run in turn; " in text
+    with pytest.raises(ConfigError, match="rounds: must be at least 1, got 0"):
+        bench(BenchConfig(rounds=0))

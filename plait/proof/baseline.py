@@ -3,7 +3,8 @@
 `plait bench` runs them as its `raw_pytorch`, `transformers` and `raw_fsdp2` rows, each in a
 process of its own like every other row. No plait machinery in the loop: random token batches of
 the shape plait trains on, AdamW with plait's hyper-parameters and gradient clipping
-(`clip_grad_norm_`), and bf16 the standard PyTorch way.
+(`clip_grad_norm_`), and bf16 the standard PyTorch way. Host memory is kept as plait keeps it
+(`--host_memory`), so a row's ratio to plait's measures plait's code, not glibc's defaults.
 
 - One process: plait's `Transformer(model_args(flavor, vocab))`, or with `--model transformers`
   transformers' model of the same config.json (`LlamaForCausalLM` for the Llama flavors), the
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import tyro
 from torch import nn
 
+from plait import host_memory
 from plait.config import Data, Flavor, Training
 from plait.data import build_tokenizer, eos_id
 from plait.hardware import linear_shapes, peak_flops
@@ -60,6 +62,10 @@ class BaselineConfig:
     """plait's Transformer, or transformers' model of the flavor's config.json (one process, causal mask)"""
     compile: bool = False
     """compile each block (transformers': each decoder layer)"""
+    host_memory: Literal["auto", "retain", "release"] = "auto"
+    """as plait's training.host_memory (auto = retain on a CPU), so that the loops and plait differ by
+    plait's code alone: with glibc's default, debug's bf16 loop ran 28% slower here (its logits
+    mapped afresh each step)"""
 
 
 def transformers_model(args) -> nn.Module:
@@ -103,6 +109,7 @@ def train(cfg: BaselineConfig) -> None:
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    host_memory.configure(cfg.host_memory, device)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_ranks))
     torch.manual_seed(0)  # one initial model, whose shards the ranks keep

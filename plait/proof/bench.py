@@ -76,6 +76,9 @@ class BenchConfig:
     """also write the tables as JSON (FILE.json, every number) and markdown (FILE.md)"""
     compile: bool = False
     """also measure the raw loops, the single device and FSDP2 with each block compiled (a compiled tok/s column)"""
+    rounds: int = 1
+    """run every row this many times, the rows in turn each round, and report per row the median of
+    its rounds (on a noisy machine 3 rounds steady the ratios between rows)"""
     emulated_bf16: Literal["skip", "run"] = "skip"
     """where the device has no bf16 matmul units (e.g. AVX2-only CPUs, 150-280x slower in bf16): skip = measure
     fp32 only and say so in the table; run = measure the bf16 rows anyway"""
@@ -214,36 +217,72 @@ def hardware(cfg: BenchConfig, flavor: str) -> dict:
             "peak_tflops": {dtype: peak_flops(device, getattr(torch, dtype), shapes).flops / 1e12 for dtype in dtypes}}
 
 
+def measure(cfg: BenchConfig, flavor: str, key: str, dtypes: tuple[str, ...], folder: Path) -> dict:
+    """One run of a row in each precision (compiled as well where asked): {dtype_metric: value}."""
+    name, world, flags = layouts(cfg.nproc)[key]
+    if key == "dense_twin":
+        flags = [*flags, "--model.flavor", DENSE_TWINS[flavor]]
+    row = {}
+    for dtype in dtypes:
+        print(f"bench: {flavor}, {name}, {dtype} ...", file=sys.stderr, flush=True)
+        row.update({f"{dtype}_{metric}": value for metric, value in
+                    run_row(cfg, flavor, key, world, flags, dtype, folder / dtype).items()})
+        if cfg.compile and key in COMPILABLE:
+            print(f"bench: {flavor}, {name}, {dtype}, compiled ...", file=sys.stderr, flush=True)
+            row.update({f"{dtype}_{metric}": value for metric, value in run_row(
+                cfg, flavor, key, world, flags, dtype, folder / f"{dtype}-compiled", compiled=True).items()})
+    return row
+
+
+def across_rounds(runs: list[dict]) -> dict:
+    """One row from its rounds: the median of their speeds, the highest of their peaks, the rest
+    (state, collectives: the same every round) from the first."""
+    row = dict(runs[0])
+    for metric in row:
+        values = [run[metric] for run in runs]
+        if metric.endswith(("tokens_per_sec", "_mfu")) and None not in values:
+            row[metric] = statistics.median(values)
+        elif metric.endswith("memory_gib"):
+            row[metric] = max(values)
+    if len(runs) > 1:
+        row["rounds_tokens_per_sec"] = {metric: [run[metric] for run in runs] for metric in row
+                                        if metric.endswith("tokens_per_sec")}
+    return row
+
+
 def bench(cfg: BenchConfig) -> dict:
     if cfg.steps <= cfg.warmup:
         raise ConfigError(f"steps: must exceed warmup ({cfg.warmup}), got {cfg.steps}")
+    if cfg.rounds < 1:
+        raise ConfigError(f"rounds: must be at least 1, got {cfg.rounds}")
     table, machine = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for flavor in flavors(cfg):
             machine[flavor] = hardware(cfg, flavor)
             print(f"bench: {hardware_line(machine[flavor])}", file=sys.stderr, flush=True)
+            keys = []
             for key in cfg.rows:
-                name, world, flags = layouts(cfg.nproc)[key]
+                name, world, _ = layouts(cfg.nproc)[key]
                 why = applies(key, flavor, cfg.attention_mask) or (f"it needs {world} GPUs" if gpus_missing(world) else "")
                 if why:
                     print(f"bench: {name} skipped: {why}", file=sys.stderr, flush=True)
-                    continue
-                if key == "dense_twin":
-                    flags = [*flags, "--model.flavor", DENSE_TWINS[flavor]]
-                row = {"flavor": flavor, "key": key, "layout": name, "world": world}
-                try:
-                    for dtype in machine[flavor]["dtypes"]:
-                        print(f"bench: {flavor}, {name}, {dtype} ...", file=sys.stderr, flush=True)
-                        folder = Path(tmp) / f"{flavor}-{key}-{dtype}"
-                        for metric, value in run_row(cfg, flavor, key, world, flags, dtype, folder).items():
-                            row[f"{dtype}_{metric}"] = value
-                        if cfg.compile and key in COMPILABLE:
-                            print(f"bench: {flavor}, {name}, {dtype}, compiled ...", file=sys.stderr, flush=True)
-                            row.update({f"{dtype}_{metric}": value for metric, value in run_row(
-                                cfg, flavor, key, world, flags, dtype, Path(f"{folder}-compiled"), compiled=True).items()})
-                except (RuntimeError, ConfigError) as e:  # one broken row must not cost the others' measurements
-                    print(f"bench: {name} FAILED, left out of the table:\n{e}", file=sys.stderr, flush=True)
-                    continue
+                else:
+                    keys.append(key)
+            # Round by round, every row once per round: a slow spell of a noisy machine then
+            # slows each row's runs alike instead of all runs of one row.
+            runs = {key: [] for key in keys}
+            for round_ in range(cfg.rounds):
+                for key in [k for k in keys if k in runs]:
+                    try:
+                        runs[key].append(measure(cfg, flavor, key, machine[flavor]["dtypes"],
+                                                 Path(tmp) / f"{flavor}-{key}-{round_}"))
+                    except (RuntimeError, ConfigError) as e:  # one broken row must not cost the others' measurements
+                        print(f"bench: {layouts(cfg.nproc)[key][0]} FAILED, left out of the table:\n{e}",
+                              file=sys.stderr, flush=True)
+                        del runs[key]
+            for key, rounds in runs.items():
+                name, world, _ = layouts(cfg.nproc)[key]
+                row = {"flavor": flavor, "key": key, "layout": name, "world": world, **across_rounds(rounds)}
                 if "bfloat16_tokens_per_sec" in row:
                     row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
                 print(f"bench: {name}: " + ", ".join(f"{row[f'{dtype}_tokens_per_sec']:.0f} tok/s {dtype}"

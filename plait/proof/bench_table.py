@@ -96,8 +96,10 @@ def markdown(result: dict) -> str:
     for flavor in dict.fromkeys(r["flavor"] for r in result["rows"]):
         rows, machine = [r for r in result["rows"] if r["flavor"] == flavor], result["hardware"][flavor]
         lines += [hardware_line(machine), "", f"flavor {flavor}, seq {cfg['seq_len']}, global batch {cfg['global_batch_size']}, "
-                  f"median of steps {cfg['warmup'] + 1}-{cfg['steps']}; state = parameters + gradients + optimizer "
-                  f"state on rank 0; collectives per step on rank 0, loss and grad-norm reductions left out", ""]
+                  f"median of steps {cfg['warmup'] + 1}-{cfg['steps']}"
+                  + (f", then of {cfg['rounds']} rounds run in turn" if cfg.get("rounds", 1) > 1 else "")
+                  + "; state = parameters + gradients + optimizer "
+                  "state on rank 0; collectives per step on rank 0, loss and grad-norm reductions left out", ""]
         for dtype, short in zip(DTYPES, ("fp32", "bf16")):
             if dtype not in machine["dtypes"]:
                 lines += [f"{short}: not measured, emulated on this device ({machine['why']}); "
