@@ -64,7 +64,7 @@ class BaselineConfig:
     """compile each block (transformers': each decoder layer)"""
     host_memory: Literal["auto", "retain", "release"] = "auto"
     """as plait's training.host_memory (auto = retain on a CPU), so that the loops and plait differ by
-    plait's code alone: with glibc's default, debug's bf16 loop ran 28% slower here (its logits
+    plait's code alone: with glibc's default, debug's bf16 loop ran 26% slower here (its logits
     mapped afresh each step)"""
 
 

@@ -10,7 +10,8 @@ peak memory, the exact memory of parameters + gradients + optimizer state on ran
 collectives rank 0 issues per step, counted in a profiler trace of one extra step after the
 measured ones. Not a warm-up step: the profiler's buffers stay resident once freed, so on a CPU
 they would raise the peak memory of every later step (by about 1 GiB on small). Machines are noisy:
-only ratios between rows of one invocation mean much.
+only ratios between rows of one invocation mean much, and `--rounds` runs the rows in turn
+several times and keeps each row's median.
 """
 
 from __future__ import annotations
