@@ -110,9 +110,9 @@ class ScaledDotProduct(nn.Module):
     repeated copy of k and v: 20% less time forward + backward than repeating them). `mask`:
     None = causal over the sequence, SDPA's causal path; a mask tensor: `masked_attention`; a
     BlockMask: FlexAttention. `queries`: where this rank's query rows lie in the sequence, as
-    (first index, length) runs (default: the last q.shape[2] keys' positions, one run). A module of its own so context parallelism can hand it the whole
-    sequence's keys and values, and its queries' runs (a forward pre-hook), without touching
-    the model."""
+    (first index, length) runs (default: the last q.shape[2] keys' positions, one run). A module
+    of its own so context parallelism can hand it the whole sequence's keys and values, and its
+    queries' runs (a forward pre-hook), without touching the model."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
                 queries: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:

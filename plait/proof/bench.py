@@ -256,14 +256,14 @@ def bench(cfg: BenchConfig) -> dict:
         raise ConfigError(f"steps: must exceed warmup ({cfg.warmup}), got {cfg.steps}")
     if cfg.rounds < 1:
         raise ConfigError(f"rounds: must be at least 1, got {cfg.rounds}")
-    table, machine = [], {}
+    table, machine, spec = [], {}, layouts(cfg.nproc)
     with tempfile.TemporaryDirectory() as tmp:
         for flavor in flavors(cfg):
             machine[flavor] = hardware(cfg, flavor)
             print(f"bench: {hardware_line(machine[flavor])}", file=sys.stderr, flush=True)
             keys = []
             for key in cfg.rows:
-                name, world, _ = layouts(cfg.nproc)[key]
+                name, world, _ = spec[key]
                 why = applies(key, flavor, cfg.attention_mask) or (f"it needs {world} GPUs" if gpus_missing(world) else "")
                 if why:
                     print(f"bench: {name} skipped: {why}", file=sys.stderr, flush=True)
@@ -273,16 +273,16 @@ def bench(cfg: BenchConfig) -> dict:
             # slows each row's runs alike instead of all runs of one row.
             runs = {key: [] for key in keys}
             for round_ in range(cfg.rounds):
-                for key in [k for k in keys if k in runs]:
+                for key in list(runs):  # the rows that have not failed
                     try:
                         runs[key].append(measure(cfg, flavor, key, machine[flavor]["dtypes"],
                                                  Path(tmp) / f"{flavor}-{key}-{round_}"))
                     except (RuntimeError, ConfigError) as e:  # one broken row must not cost the others' measurements
-                        print(f"bench: {layouts(cfg.nproc)[key][0]} FAILED, left out of the table:\n{e}",
+                        print(f"bench: {spec[key][0]} FAILED, left out of the table:\n{e}",
                               file=sys.stderr, flush=True)
                         del runs[key]
             for key, rounds in runs.items():
-                name, world, _ = layouts(cfg.nproc)[key]
+                name, world, _ = spec[key]
                 row = {"flavor": flavor, "key": key, "layout": name, "world": world, **across_rounds(rounds)}
                 if "bfloat16_tokens_per_sec" in row:
                     row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
