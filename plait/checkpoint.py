@@ -123,6 +123,8 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
         if size is None or size < end:
             raise ConfigError(f"{option}: {folder / name} is {'missing' if size is None else f'truncated ({size} bytes)'}"
                               f", its checkpoint's metadata needs {end} bytes: {damaged(folder)}")
+    if stray := digests.first_stray(folder, manifest.get("digests")):
+        raise ConfigError(f"{option}: {folder}: {stray}; {damaged(folder)}")
     undigested = sorted(set(ends) - set(manifest.get("digests", ends)))  # checkpoints before digests have none
     if undigested:
         raise ConfigError(f"{option}: {folder}'s {MANIFEST} has no digest of {undigested[0]}, which its DCP metadata "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -74,9 +75,27 @@ def verify(folder: Path, manifest: dict, option: str, rank: int = 0, world: int 
         raise ConfigError(f"{option}: {failure}: {damaged(folder)}")
 
 
+def first_stray(folder: Path, digests: dict[str, str] | None) -> str | None:
+    """The first name in `digests` that is not a plain file directly inside `folder`, as the start
+    of a sentence, or None. A manifest is data from disk: a name such as /dev/zero, ../x or a
+    symlink would otherwise be opened and hashed (a device never ends: the command hangs)."""
+    for name in sorted(digests or {}):
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            return f"its manifest names {name!r}, which is not a file name inside the folder"
+        try:
+            mode = os.lstat(folder / name).st_mode
+        except FileNotFoundError:
+            continue  # reported as missing, in the same words as a missing data file
+        if not stat.S_ISREG(mode):
+            return f"its manifest names {name!r}, which is not a plain file (a link, a device or a folder)"
+    return None
+
+
 def first_mismatch(folder: Path, digests: dict[str, str] | None, rank: int = 0, world: int = 1) -> str | None:
     """Hash this rank's share of the files (every world-th); the first that does not match its
     digest, as the start of a sentence, or None. Checkpoints written before digests pass."""
+    if stray := first_stray(folder, digests):
+        return f"{folder}: {stray}"
     for name in sorted(digests or {})[rank::world]:
         if not (folder / name).exists():
             return f"{folder / name} is missing"

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -272,6 +273,37 @@ def test_bad_checkpoints_fail_clearly_and_leave_good_ones_alone(tmp_path, seed_c
     assert proc.returncode == 2 and "refusing to overwrite" in proc.stderr
 
 
+def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, seed_ckpt):
+    """The digests' names come from disk: a device (which never ends: `generate` hung hashing it), an
+    absolute or ../ path, a folder or a link are refused in one line, by every command that reads a
+    checkpoint, before anything is hashed."""
+    from plait.checkpoint import check_compatible, read_manifest, saved_model
+    from plait.config import ConfigError
+    from plait.shapes import ModelArgs
+
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the checkpoint's")
+    cases = {"/dev/zero": None, "../outside.bin": None, str(outside): None, "sub/x": None, ".": None,
+             "link": lambda f: (f / "link").symlink_to(outside), "folder": lambda f: (f / "folder").mkdir()}
+    for i, (name, make) in enumerate(cases.items()):
+        forged = tmp_path / f"forged-{i}"
+        shutil.copytree(seed_ckpt, forged)
+        if make:
+            make(forged)
+        manifest = read_manifest(forged)
+        manifest["digests"][name] = "0" * 64
+        (forged / "plait.json").write_text(json.dumps(manifest))
+        with pytest.raises(ConfigError, match=re.escape(f"checkpoint: {forged}: its manifest names {name!r}, which is not a")):
+            check_compatible(forged, ModelArgs(**saved_model(manifest)), "checkpoint")
+    # Through the CLI: one line and exit 2, promptly (today's main hung here reading /dev/zero).
+    proc = subprocess.run([sys.executable, "-m", "plait", "generate", "--checkpoint", str(tmp_path / "forged-0"),
+                           "--prompt", "a", "--max_new_tokens", "2"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"plait: error: checkpoint: {tmp_path / 'forged-0'}: its manifest names '/dev/zero', which is not a file "
+        f"name inside the folder; the checkpoint is damaged; move {tmp_path / 'forged-0'} away to resume from the one "
+        "before it"]
+
+
 def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_ckpt):
     transformers = pytest.importorskip("transformers")
     from plait.checkpoint import load_full_state_dict, read_manifest
@@ -396,6 +428,7 @@ def test_a_checkpoint_folder_cannot_run_code(tmp_path):
 STALE_VIEW = '''
 # Rank 1 sees checkpoint.folder as a stale NFS client cache can: without its newest checkpoint.
 import os
+import re
 
 if os.environ.get("RANK") == "1":
     import plait.checkpoint as checkpoint
