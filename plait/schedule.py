@@ -20,9 +20,11 @@ DECAY_SHAPES = {"linear": lambda q: q, "sqrt": math.sqrt, "cosine": lambda q: (1
 
 
 def decay_start(cfg: JobConfig) -> int:
-    """The last step at the peak under `wsd`: decay_fraction of the steps decay after it."""
+    """The last step at the peak under `wsd`: decay_fraction of the steps decay after it, and at
+    least one (a fraction that rounds to none would leave the peak lr at the last step, where the
+    schedule promises min_lr_ratio x lr)."""
     t = cfg.training
-    return t.steps - round(t.decay_fraction * t.steps)
+    return t.steps - max(1, round(t.decay_fraction * t.steps))
 
 
 def factor(cfg: JobConfig):
@@ -52,6 +54,9 @@ def check_schedule(cfg: JobConfig) -> None:
         raise ConfigError(f"training.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
     if not 0 <= t.decay_fraction <= 1:
         raise ConfigError(f"training.decay_fraction: must be in [0, 1], got {t.decay_fraction}")
+    if t.lr_schedule == "wsd" and t.decay_fraction == 0:
+        raise ConfigError("training.decay_fraction: 0 leaves wsd no step to decay in; allowed: (0, 1], or "
+                          "training.lr_schedule constant for no decay")
     if t.lr_schedule == "wsd" and decay_start(cfg) < t.warmup_steps:
         raise ConfigError(f"training.decay_fraction: {t.decay_fraction} of {t.steps} steps would start the decay at "
                           f"step {decay_start(cfg) + 1}, inside the {t.warmup_steps} warmup steps; lower it, or "

@@ -35,6 +35,13 @@ def test_each_schedule_is_its_formula():
     with pytest.raises(ConfigError, match=r"training.decay_fraction: 0.9 of 10 steps would start the decay at step 2, "
                                           r"inside the 2 warmup steps"):
         schedule(*warm, "--training.lr_schedule", "wsd", "--training.decay_fraction", "0.9")
+    # A fraction of the steps that rounds to no step still decays in the last one (it kept the peak to
+    # the end, then divided by zero at LambdaLR's call after the last step), and 0 is refused.
+    short = [*warm, "--training.lr_schedule", "wsd", "--training.decay_fraction", "0.05"]
+    assert schedule(*short) == pytest.approx([0.5] + [1.0] * 8 + [0.1])
+    assert factor(parse_args([*TINY, *short]))(10) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match=r"training.decay_fraction: 0 leaves wsd no step to decay in"):
+        schedule(*warm, "--training.lr_schedule", "wsd", "--training.decay_fraction", "0")
     with pytest.raises(ConfigError, match=r"training.min_lr_ratio: must be in \[0, 1\], got 1.5"):
         schedule("--training.min_lr_ratio", "1.5")
     with pytest.raises(ConfigError, match="training.decay_shape: invalid choice"):
