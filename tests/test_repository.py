@@ -1,0 +1,27 @@
+"""What the repository holds: the project's text, and the plots its docs show. A binary someone
+needed once (a profiler's wheel was committed at the root) would ride along in every clone."""
+
+import subprocess
+from fnmatch import fnmatch
+
+import pytest
+
+from conftest import ROOT
+
+OWN_BINARIES = ("docs/*.png",)  # plots the docs pages show, made by plait's own proof tools
+
+
+def tracked_files() -> list[str]:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an installed copy): nothing is tracked")
+    return subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True,
+                          text=True).stdout.split("\0")[:-1]
+
+
+def is_binary(path: str) -> bool:
+    return b"\0" in (ROOT / path).read_bytes()[:8192]
+
+
+def test_nothing_binary_is_tracked_but_the_docs_plots():
+    binaries = [p for p in tracked_files() if (ROOT / p).is_file() and is_binary(p)]
+    assert [p for p in binaries if not any(fnmatch(p, pattern) for pattern in OWN_BINARIES)] == []
