@@ -176,6 +176,23 @@ def test_foreign_tokenizer(tmp_path, cache):
         build_tokenizer(Data(tokenizer=str(tmp_path / "bad.json")))
 
 
+def test_special_tokens_in_a_documents_text_are_text(tmp_path, cache):
+    """A document that mentions an end-of-text string is encoded as the text it is: only plait puts
+    the EOS id between documents (else the document mask and RoPE positions restart mid-document)."""
+    mentions = ["the separator is <|eos|> here", "GPT-2 ends with <|endoftext|>, Llama 3 with <|end_of_text|>."]
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in mentions))
+    tokenizer = tokenizers_module.train_bpe(DOCS + mentions, 300)
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|end_of_text|>"])  # as Hugging Face tokenizers hold them
+    tokenizer.save(str(tmp_path / "tok.json"))
+    tokens, tokenizer = tokenize_corpus(Data(path=str(tmp_path / "corpus"), tokenizer=str(tmp_path / "tok.json")))
+    specials = {tokenizer.token_to_id(t) for t in ("<|eos|>", "<|endoftext|>", "<|end_of_text|>")}
+    ends = np.flatnonzero(np.isin(tokens, list(specials)))
+    assert ends.tolist() == np.flatnonzero(tokens == eos_id(tokenizer)).tolist() and len(ends) == len(mentions)
+    docs = np.split(tokens, ends + 1)[:-1]
+    assert [tokenizer.decode(d[:-1].tolist()) for d in docs] == mentions
+
+
 def _tokens_sha(cfg: Data) -> str:
     return hashlib.sha256(tokenize_corpus(cfg)[0].tobytes()).hexdigest()
 

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from plait.config import ConfigError, Data, mix_sources
 from plait.data.documents import fingerprint, load_texts
 from plait.data.loader import BatchLoader, eval_batches
-from plait.data.shards import MANIFEST, TOKENIZER, TokenizedFolder, is_tokenized, write_folder
+from plait.data.shards import FORMAT, MANIFEST, TOKENIZER, TokenizedFolder, is_tokenized, write_folder
 from plait.cache import cache_dir, file_lock
 from plait.data.tokenizer import eos_id, load_tokenizer, sha256, trained_tokenizer
 
@@ -97,7 +97,9 @@ def open_source(path: str, cfg: Data, tokenizer: Tokenizer, option: str, texts: 
             texts = load_texts(path, cfg.text_field)
         except ConfigError as e:  # the documents' errors name data.path; this source may be another option
             raise ConfigError(str(e).replace("data.path:", f"{option}:", 1)) from None
-    folder = cache_dir() / f"tokens-{fingerprint(texts)[:16]}-{sha256(tokenizer)[:16]}"
+    # the format in the name: a cache entry an older plait encoded differently is not reused
+    version = FORMAT.rsplit("/", 1)[1]
+    folder = cache_dir() / f"tokens-v{version}-{fingerprint(texts)[:16]}-{sha256(tokenizer)[:16]}"
     with file_lock(folder.with_name(folder.name + ".lock")):
         if not (folder / MANIFEST).exists():
             write_folder(((text, len(text)) for text in texts), tokenizer, folder, path or "(bundled corpus)")

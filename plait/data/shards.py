@@ -30,9 +30,12 @@ from tokenizers import Tokenizer
 
 from plait.config import ConfigError
 from plait.data.documents import fingerprint
-from plait.data.tokenizer import eos_id, sha256
+from plait.data.tokenizer import eos_id, sha256, text_encoder
 
-FORMAT = "plait-tokens/1"
+# Format 2: special-token strings inside a document are text. Format 1 matched them (a document
+# mentioning <|endoftext|> held a boundary); its folders are still read, as they were.
+FORMAT = "plait-tokens/2"
+READABLE = ("plait-tokens/1", FORMAT)
 MANIFEST = "manifest.json"
 PARTIAL = "partial.json"  # the settings of a tokenize in progress
 TOKENIZER = "tokenizer.json"
@@ -71,7 +74,7 @@ def write_folder(documents: Iterable[tuple[str, int]], tokenizer: Tokenizer, out
     _write_json(out / PARTIAL, settings)
     tokenizer.save(str(out / TOKENIZER))
     dtype = "uint16" if tokenizer.get_vocab_size() <= 1 << 16 else "uint32"
-    eos = eos_id(tokenizer)
+    eos, encoder = eos_id(tokenizer), text_encoder(tokenizer)
     entries: list[dict] = []
     pending: collections.deque = collections.deque()
 
@@ -95,7 +98,7 @@ def write_folder(documents: Iterable[tuple[str, int]], tokenizer: Tokenizer, out
             elif pool:
                 result = pool.submit(_encode_shard, None, eos, dtype, out, k, texts, source_sha)
             else:
-                result = _encode_shard(tokenizer, eos, dtype, out, k, texts, source_sha)
+                result = _encode_shard(encoder, eos, dtype, out, k, texts, source_sha)
             pending.append((k, result, source_bytes))
             while len(pending) > 2 * workers:  # bounded: the corpus never sits in memory
                 settle(pending.popleft())
@@ -163,7 +166,7 @@ _worker_tokenizer: Tokenizer | None = None
 def _start_worker(tokenizer_json: str) -> None:
     global _worker_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
-    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+    _worker_tokenizer = text_encoder(Tokenizer.from_str(tokenizer_json))
 
 
 def _encode_shard(tokenizer: Tokenizer | None, eos: int, dtype: str, out: Path, k: int, texts: list[str],
@@ -197,8 +200,8 @@ class TokenizedFolder:
             unfinished = (self.path / PARTIAL).exists()
             raise ConfigError(f"{option}: {path} " + ("is an unfinished `plait tokenize`: run it again to finish it"
                                                       if unfinished else f"has no readable {MANIFEST}"))
-        if manifest.get("format") != FORMAT:
-            raise ConfigError(f"{option}: {path} is in format {manifest.get('format')!r}; this plait reads {FORMAT!r}")
+        if manifest.get("format") not in READABLE:
+            raise ConfigError(f"{option}: {path} is in format {manifest.get('format')!r}; this plait reads {READABLE}")
         self.manifest, self.dtype = manifest, np.dtype(manifest["dtype"])
         for entry in manifest["shards"]:
             shard = self.path / entry["file"]

@@ -56,6 +56,15 @@ def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def text_encoder(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of `tokenizer` that encodes special-token strings found in a document (a text that
+    mentions <|endoftext|>) as the text they are: only plait puts the end-of-document id between
+    documents, and the document mask and RoPE positions restart wherever it stands."""
+    encoder = Tokenizer.from_str(tokenizer.to_str())
+    encoder.encode_special_tokens = True
+    return encoder
+
+
 def eos_id(tokenizer: Tokenizer, option: str = "data.tokenizer") -> int:
     for token in (EOS, *FOREIGN_EOS):
         if (i := tokenizer.token_to_id(token)) is not None:
