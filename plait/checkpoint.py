@@ -42,16 +42,21 @@ from plait.config import ConfigError, JobConfig
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.tokenizer import TOKENIZER
 from plait.model import ModelArgs, Transformer
-from plait.optim import Muon, group_decays
+from plait.optim import group_options
 from plait.weights import fill_weights, init_weights
 
 MANIFEST = "plait.json"
 FORMAT = 1  # of the manifest and the state in it: a plait that reads an older format says so
 OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
 STEP_FOLDER = re.compile(r"step-(\d+)$")
-# What a resumed run may change, said once at resume: the optimizer's and the schedule's options
-# (steps too: the schedule decays towards this run's last step).
-RESUMABLE = ("lr", "weight_decay", "steps", "lr_schedule", "min_lr_ratio", "decay_fraction", "decay_shape")
+# What a resumed run may change, each option under its section: the optimizer's and the schedule's
+# options (steps too: the schedule decays towards this run's last step). The manifest records them
+# by bare name; a change is said once at resume.
+RESUMABLE = {"lr": "training", "weight_decay": "training", "steps": "training", "warmup_steps": "training",
+             "lr_schedule": "training", "min_lr_ratio": "training", "decay_fraction": "training",
+             "decay_shape": "training", "betas": "optimizer", "eps": "optimizer", "momentum": "optimizer",
+             "ns_steps": "optimizer"}
+MUON_ONLY = ("momentum", "ns_steps")  # options AdamW has no use for: neither recorded nor said for it
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -80,6 +85,18 @@ def latest_complete(root: str) -> Path | None:
         if read_manifest(folder) is not None:
             return folder
     return None
+
+
+def resumable_options(cfg: JobConfig) -> dict:
+    """This run's RESUMABLE options, by bare name, as JSON keeps them (a tuple as a list)."""
+    return {name: list(value) if isinstance(value := getattr(getattr(cfg, section), name), tuple) else value
+            for name, section in RESUMABLE.items() if cfg.optimizer.name == "muon" or name not in MUON_ONLY}
+
+
+def shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"({', '.join(map(shown, value))})"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def check_optimizer_kept(folder: Path, cfg: JobConfig) -> None:
@@ -299,24 +316,22 @@ class Checkpointer:
         return load, None if hf.is_hf_folder(Path(load)) else read_manifest(Path(load)), False
 
     def _apply_hyperparameters(self, saved: dict) -> None:
-        """This run's training.lr, weight_decay and schedule win over the checkpoint's (the
-        schedule is a function of this run's options: see plait/schedule.py): the optimizer's
-        groups and the schedule's base come back from the checkpoint, and would otherwise keep
-        the old values silently. The schedule continues from the resumed step. (Under pipeline
-        parallelism DCP also drops the float entries of some ranks' param groups: every one is
-        set here from this run's options, AdamW's constants from the optimizer's defaults.)"""
+        """Every hyper-parameter the optimizer steps with is this run's, on every rank: its
+        groups come back from the checkpoint with the former values (and under pipeline
+        parallelism on some ranks only: DCP drops the others' non-tensor entries, and the stages
+        would step with different betas), so each group is rebuilt from this run's options; the
+        schedule, a function of them (see plait/schedule.py), continues from the resumed step.
+        Rank 0 says which options differ from those the checkpoint recorded."""
         t, groups = self.cfg.training, self.optimizer.param_groups
         self.scheduler.base_lrs = [t.lr] * len(groups)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group, decays in zip(groups, group_decays(self.cfg)):
-            group.update({**self.optimizer.defaults, **{k: v for k, v in group.items() if k != "params"}})
-            group.update(initial_lr=t.lr, lr=t.lr * factor, weight_decay=t.weight_decay if decays else 0.0)
-        if isinstance(self.optimizer, Muon):  # (its first group, a flag DCP may drop as it drops floats)
-            groups[0]["muon"] = True
+        for group, options in zip(groups, group_options(self.cfg), strict=True):
+            params = group["params"]
+            group.clear()
+            group.update({**self.optimizer.defaults, **options, "params": params, "initial_lr": t.lr, "lr": t.lr * factor})
         self.scheduler._last_lr = [group["lr"] for group in groups]
-        changed = [f"training.{name} {saved[name]:g} -> {getattr(t, name):g}" if isinstance(saved[name], float) else
-                   f"training.{name} {saved[name]} -> {getattr(t, name)}" for name in RESUMABLE
-                   if name in saved and saved[name] != getattr(t, name)]
+        changed = [f"{RESUMABLE[name]}.{name} {shown(saved[name])} -> {shown(value)}"
+                   for name, value in resumable_options(self.cfg).items() if name in saved and saved[name] != value]
         if changed and dist.get_rank() == 0:
             print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former)",
                   flush=True)
@@ -357,10 +372,8 @@ class Checkpointer:
         if dist.get_rank() == 0 and folder.exists():
             shutil.rmtree(folder)  # debris of a save that never completed
         dist.barrier()
-        t = self.cfg.training
         manifest = _manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
-                             hyperparameters={**{name: getattr(t, name) for name in RESUMABLE},
-                                              "optimizer": self.cfg.optimizer.name},
+                             hyperparameters={**resumable_options(self.cfg), "optimizer": self.cfg.optimizer.name},
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()

@@ -63,23 +63,24 @@ def check_optimizer(cfg: JobConfig) -> None:
 
 def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     """AdamW over every parameter (weight decay on matrices only), or Muon: the blocks' matrices
-    in a Muon group first, the others in AdamW's two groups. `group_decays` says which decay."""
+    in a Muon group first, the others in AdamW's two groups (`group_options`)."""
     t, o = cfg.training, cfg.optimizer
     named = list(model.named_parameters())
     muon = [p for n, p in named if o.name == "muon" and uses_muon(n, p)]
     chosen = {id(p) for p in muon}
     decay = [p for _, p in named if p.ndim >= 2 and id(p) not in chosen]
     no_decay = [p for _, p in named if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    params = [muon, decay, no_decay] if o.name == "muon" else [decay, no_decay]
+    groups = [{"params": p, **options} for p, options in zip(params, group_options(cfg))]
     if o.name == "adamw":
         return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(o.betas), eps=o.eps)
-    return Muon([{"params": muon, "weight_decay": t.weight_decay, "muon": True}, *groups], lr=t.lr,
-                betas=tuple(o.betas), eps=o.eps, momentum=o.momentum, ns_steps=o.ns_steps)
+    return Muon(groups, lr=t.lr, betas=tuple(o.betas), eps=o.eps, momentum=o.momentum, ns_steps=o.ns_steps)
 
 
-def group_decays(cfg: JobConfig) -> tuple[bool, ...]:
-    """Whether each of `build_optimizer`'s groups decays its weights, in order."""
-    return (True, True, False) if cfg.optimizer.name == "muon" else (True, False)
+def group_options(cfg: JobConfig) -> list[dict]:
+    """What sets `build_optimizer`'s groups apart, in order (the rest is the optimizer's defaults)."""
+    decay, no_decay = {"weight_decay": cfg.training.weight_decay}, {"weight_decay": 0.0}
+    return [{**decay, "muon": True}, decay, no_decay] if cfg.optimizer.name == "muon" else [decay, no_decay]
 
 
 class Muon(torch.optim.AdamW):

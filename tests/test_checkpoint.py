@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from conftest import ROOT, TINY, descendants, environ, losses, max_abs_diff, run_plait
+from conftest import ROOT, TINY, descendants, environ, launch, losses, max_abs_diff, run_plait
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +118,45 @@ def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
     factor = lr_factor(parse_args([*TINY, *new]))
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["lr"] for r in resumed] == [5e-4 * factor(step - 1) for step in (4, 5, 6)]
+
+
+STEP_GROUPS = '''
+# Every rank appends, before each optimizer step, the options of every param group it steps with.
+import json, os
+
+if os.environ.get("PLAIT_TEST_GROUPS"):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def record(optimizer, args, kwargs):
+        with open(f"{os.environ['PLAIT_TEST_GROUPS']}.{os.environ.get('RANK', '0')}", "a") as out:
+            out.write(json.dumps([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]) + "\\n")
+
+    register_optimizer_step_pre_hook(record)
+'''
+
+
+def test_resume_steps_every_rank_with_this_runs_optimizer_options(tmp_path):
+    """Resumed with other betas, eps and warmup, every rank (both pipeline stages: DCP keeps
+    param-group values of rank 0's only) steps with this run's options, as a sitecustomize sees
+    them before each optimizer step, and the start-up names each change."""
+    folder = ["--parallelism.pp", "2", "--checkpoint.folder", str(tmp_path / "c"), "--checkpoint.interval", "2"]
+    run_plait(tmp_path, "--training.steps", "2", *folder, nproc=2)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STEP_GROUPS)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])),
+           "PLAIT_TEST_GROUPS": str(tmp_path / "groups")}
+    new = ["--training.steps", "4", "--optimizer.betas", "0.5", "0.6", "--optimizer.eps", "1e-3",
+           "--training.warmup_steps", "1"]
+    proc = launch(["train", *TINY, *new, *folder, "--metrics.jsonl", str(tmp_path / "m.jsonl")], 2, 300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    for rank in (0, 1):
+        # The last records are the resumed steps' (DCP first steps once at lr 0: the state it loads into).
+        steps = [json.loads(line) for line in (tmp_path / f"groups.{rank}").read_text().splitlines()][-len(lrs):]
+        seen = [[(g["betas"], g["eps"], g["weight_decay"], g["lr"]) for g in groups] for groups in steps]
+        assert seen == [[([0.5, 0.6], 1e-3, 0.1, lr), ([0.5, 0.6], 1e-3, 0.0, lr)] for lr in lrs], (rank, seen)
+    assert ("resuming with training.steps 2 -> 4, training.warmup_steps 2 -> 1, optimizer.betas (0.9, 0.95) -> "
+            "(0.5, 0.6), optimizer.eps 1e-08 -> 0.001 (this run's options") in proc.stdout, proc.stdout
 
 
 def test_pipeline_checkpoints_resume_bitwise_under_pp_and_without(tmp_path):
