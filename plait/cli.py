@@ -57,6 +57,10 @@ def train(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"plait: stopped on {e}", file=sys.stderr, flush=True)
         code = e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while starting or closing: no step to finish, nothing to save
+        if os.environ.get("RANK", "0") == "0":
+            print("plait: stopped on SIGINT outside the training steps: nothing saved", file=sys.stderr, flush=True)
+        code = 128 + signal.SIGINT
     end_worker(code)
 
 
@@ -76,7 +80,6 @@ def end_worker(code: int) -> typing.NoReturn:
     os._exit(code)
 
 
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 EXIT_CODES = "PLAIT_EXIT_CODES"  # the folder where workers leave their exit codes for launch_local
 
 
@@ -93,45 +96,54 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int, subcommand: str
         skip = arg == "--nproc"
         if not skip:
             worker_argv.append(arg)
-    # torchrun's agent handles SIGUSR1 too (by default it would die of it before its workers save).
+    from plait.preemption import handled
+
+    # The signals the workers handle: torchrun's agent handles SIGUSR1 too (by default it would
+    # die of it before its workers save), and leaves one this process ignores ignored.
+    signals = handled()
     command = [sys.executable, "-m", "plait.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}", "-m", "plait", subcommand,
-               *worker_argv]
+               f"--max-restarts={max_restarts}", f"--signals-to-handle={','.join(sig.name for sig in signals)}",
+               "-m", "plait", subcommand, *worker_argv]
     with tempfile.TemporaryDirectory(prefix="plait-exit-") as codes:
         job = subprocess.Popen(command, env={**os.environ, EXIT_CODES: codes})
-        signum, workers = _wait_forwarding_signals(job)
-        # torchrun can return while its workers still save (a repeated signal ends its wait
-        # early): the job ends when its last worker does.
-        while any(alive(pid) for pid in workers):
-            time.sleep(0.1)
+        signum = _wait_forwarding_signals(job, signals)
         attempts: dict[int, list[int]] = {}
         for path in Path(codes).iterdir():
             attempts.setdefault(int(path.name.split("-")[0]), []).append(int(path.read_text()))
     return exit_code(job.returncode, signum, attempts[max(attempts)] if attempts else [], nproc)
 
 
-def _wait_forwarding_signals(job: subprocess.Popen) -> tuple[int, list[int]]:
-    """Wait for torchrun; a SIGTERM or SIGUSR1 meanwhile goes to its agent, which forwards it to
-    the workers and, shutting down, never restarts them (a container runtime signals only this
-    process; a scheduler every process, where repeats change nothing). Returns (the signal or 0,
-    the workers it reached)."""
+def _wait_forwarding_signals(job: subprocess.Popen, signals: tuple[int, ...]) -> int:
+    """Wait for torchrun and for the workers it had; a stopping signal meanwhile goes to its
+    agent, which forwards it to the workers and, shutting down, never restarts them (a container
+    runtime signals only this process, a closed terminal sends SIGHUP to it; repeats change
+    nothing). A second Ctrl-C kills the job at once, as it ends one process. Returns the signal
+    (SIGINT after a second Ctrl-C), or 0."""
     received: list[int] = []
     workers: list[int] = []
 
     def forward(signum, frame):
-        if not received:
-            received.append(signum)
+        received.append(signum)
+        if len(received) == 1:
             workers.extend(descendants(job.pid))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(job.pid, signum)
+        elif signum == signal.SIGINT and received.count(signal.SIGINT) == 2:
+            for pid in [job.pid, *workers, *descendants(job.pid)]:  # the agent first: it sees no worker die
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
         job.wait()
+        # torchrun can return while its workers still save (a repeated signal ends its wait
+        # early): the job ends when its last worker does.
+        while any(alive(pid) for pid in workers):
+            time.sleep(0.1)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return (received or [0])[0], workers
+    return signal.SIGINT if received.count(signal.SIGINT) > 1 else (received or [0])[0]
 
 
 def exit_code(torchrun: int, signum: int, reported: list[int], nproc: int) -> int:
