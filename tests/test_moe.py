@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from conftest import BF16, LAYOUTS, MOE, STEPS, layout_run, run_plait
 from plait.cli import main
-from plait.model import Transformer, model_args, num_params
-from plait.moe import AuxLoss, Router, swiglu_experts
+from plait.models.transformer import Transformer, num_params
+from plait.models.flavors import model_args
+from plait.models.moe import AuxLoss, Router, swiglu_experts
 from plait.parallel.expert_parallel import regroup
 from plait.proof.trace import summarise
-from plait.shapes import FLAVORS
+from plait.models.flavors import FLAVORS
 
 
 def per_expert_loop(x, counts, w1, w2, w3):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from plait.config import ConfigError
-from plait.model import ModelArgs
+from plait.models.flavors import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -183,7 +183,7 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     """The run's model: the config.json of a Hugging Face folder given as checkpoint.load (a
     model.flavor or model.n_layers given as well must agree with it), else model.flavor's shape."""
     from plait.config import hf_folder
-    from plait.model import model_args as flavor_args
+    from plait.models.flavors import model_args as flavor_args
 
     folder = hf_folder(cfg)
     if folder is None:

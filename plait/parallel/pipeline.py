@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig, dp_degree, hf_folder
-from plait.model import FLAVORS, ModelArgs, Transformer, cross_entropy
+from plait.models.flavors import FLAVORS, ModelArgs
+from plait.models.transformer import Transformer, cross_entropy
 from plait.parallel import parallelize
 from plait.precision import Precision, TrainContexts
 
