@@ -23,13 +23,11 @@ class ExpertLoad:
         self.enabled, self.aux = bool(args.n_experts), args.router == "softmax"
         n_moe = args.sparse_blocks
         # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/models/moe.py: aux_loss)
-        cp = self.layers[0].sequence_ranks if self.layers else 1
-        self.mean_over = n_moe * forwards * dist.get_world_size(group) // cp
         self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group
         for layer in self.layers:
             # loss + coefficient x (the layers' mean), each micro-batch's share; the gradient average
             # divides by the cp ranks too, whose parts of the loss add up rather than average
-            layer.aux_scale = coefficient * cp / (n_moe * forwards)
+            layer.aux_scale = coefficient * layer.sequence_ranks / (n_moe * forwards)
 
     @torch.no_grad()
     def step(self) -> dict:
@@ -40,7 +38,12 @@ class ExpertLoad:
         per_layer = [(torch.stack([c for c, _ in m.records]).sum(0), sum(a for _, a in m.records if a is not None))
                      for m in self.layers]
         loads = torch.stack([load for load, _ in per_layer]) if per_layer else torch.zeros(0, 1, device=device)
-        aux = torch.as_tensor(sum(a for _, a in per_layer), dtype=torch.float32, device=device)
+        # The aux loss's terms, and the layer forwards they are terms of, counted where they ran: a
+        # cp rank's record is its part of one. Not from degrees a rank would read off its own layers:
+        # under pipelining a stage may hold none (its blocks dense), and it logs too (rank 0).
+        forwards = sum(len(m.records) / m.sequence_ranks for m in self.layers)
+        aux = torch.stack([torch.as_tensor(sum(a for _, a in per_layer), dtype=torch.float32, device=device),
+                           torch.tensor(forwards, dtype=torch.float32, device=device)])
         dist.all_reduce(loads, group=self.group)
         dist.all_reduce(aux, group=self.group)
         for layer, load in zip(self.layers, loads):
@@ -53,5 +56,6 @@ class ExpertLoad:
         if self.pp_group is not None:
             dist.all_reduce(aux, group=self.pp_group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=self.pp_group)
-        return {**({"aux_loss": aux.item() / self.mean_over} if self.aux else {}),
+        # the mean over MoE layers x micro-batches x data-parallel ranks (every rank's forwards, summed)
+        return {**({"aux_loss": aux[0].item() / round(aux[1].item())} if self.aux else {}),
                 "expert_load_min": int(extremes[0]), "expert_load_max": int(-extremes[1])}

@@ -276,6 +276,7 @@ LAYOUTS = {
     "ep2_hsdp_moe": (4, [*MOE, *EP2, *degrees(2, 2)]),
     "ep2_tp2_moe": (4, [*MOE, *EP2, *degrees(1, 2, tp=2)]),
     "pp_ep2_moe": (4, [*MOE, *EP2, *PP2]),
+    "pp_moe": (2, [*MOE, *PP2]),  # 2 micro-batches of 2 sequences: single_moe's forwards
     "cp_moe": (2, [*MOE, *CP2, "--training.micro_batch_size", "2"]),
     "cp_ep2_moe": (2, [*MOE, *CP2, *EP2, "--training.micro_batch_size", "2"]),  # ep borrows the cp ranks
     # Muon (the blocks' matrices orthogonalised whole, spread over the ranks that shard them), against the
@@ -293,6 +294,7 @@ LAYOUTS = {
     "fsdp2_tp_muon": (4, [*MUON, *degrees(1, 2, tp=2)]),
     "single_moe_sigmoid": (1, [*SIGMOID, "--training.micro_batch_size", "2"]),
     "ep2_moe_sigmoid": (2, [*SIGMOID, *EP2]),
+    "pp_moe_sigmoid": (2, [*SIGMOID, *PP2]),
 }
 
 

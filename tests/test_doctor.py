@@ -2,6 +2,7 @@
 two machines of two ranks, with a fault injected into each of four ranks; each check must name
 the rank at fault, and only the checks that should."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,12 +11,15 @@ import pytest
 import torch
 
 from conftest import ROOT, launch
-from plait.config import ConfigError
+from plait.config import ConfigError, Parallelism
 from plait.doctor import parse
+from plait.doctor.job import job_config, reference_config
 from plait.doctor.network import pairings
 from plait.doctor.report import odd_ones
+from plait.models.masking import attention_kernel
+from plait.parallel.pipeline import microbatches
+from plait.precision import resolve
 
-pytestmark = pytest.mark.slow
 FAULTS = ROOT / "tests" / "faults"  # sitecustomize.py: faults injected from outside plait
 # A short measuring budget: the tests are about verdicts, not about how well a CPU is measured.
 QUICK = ["--budget_seconds", "4", "--training.threads", "1"]
@@ -25,6 +29,7 @@ def checks_of(path) -> dict[str, dict]:
     return {check["name"]: check for check in json.loads(path.read_text())["checks"]}
 
 
+@pytest.mark.slow
 def test_world_2_passes_every_check_and_cleans_up(tmp_path):
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -56,6 +61,7 @@ def test_world_2_passes_every_check_and_cleans_up(tmp_path):
     assert list(folder.iterdir()) == []  # the doctor's checkpoint is gone, the folder stays
 
 
+@pytest.mark.slow
 def test_world_4_names_the_rank_of_each_fault(tmp_path):
     """Rank 0 cannot write past 1 MiB (a full disk), rank 1's matmuls return a last bit flipped,
     rank 2's take 4x their time, rank 3 runs another torch build; numbered as 2 machines x 2 ranks,
@@ -93,3 +99,63 @@ def test_verdict_helpers_and_options():
     assert parse([]).training.steps == 6  # the doctor's short job, unless told otherwise
     with pytest.raises(ConfigError, match="budget_second: unknown option --budget_second; did you mean --budget_sec"):
         parse(["--budget_second", "3"])
+
+
+MOE, DEEP, PP2 = ["--model.flavor", "debug_moe"], ["--model.n_layers", "4"], ["--parallelism.pp", "2"]
+FP32 = ["--training.mixed_precision_param", "float32"]  # auto is bf16 on some CPUs, which classic DDP casts only
+# under autocast: pinned, each job is valid on every machine (later flags win where a job asks for bf16)
+# Valid jobs of more than one rank, as (world, options): between them every field of the parallelism
+# section away from its default (the test below insists), and the options valid only with some layout.
+LAYOUT_JOBS = [
+    (2, ["--parallelism.dp_replicate", "2"]),
+    (2, ["--parallelism.dp_shard", "2"]),
+    (2, ["--parallelism.tp", "2", "--parallelism.no_sequence_parallel", "--parallelism.no_loss_parallel"]),
+    (2, [*MOE, "--parallelism.ep", "2"]),
+    (2, PP2),
+    (2, [*PP2, *DEEP, "--parallelism.pp_schedule", "interleaved_1f1b", "--parallelism.pp_stages_per_rank", "2",
+         "--parallelism.pp_microbatches", "8", "--parallelism.pp_split_points", "1", "2", "3"]),
+    (2, [*PP2, *DEEP, "--parallelism.pp_schedule", "zbv"]),
+    (2, ["--parallelism.cp", "2"]),
+    (2, ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2", "--compile.autograd"]),
+    (2, ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2", "--training.mixed_precision_param",
+         "bfloat16", "--training.mixed_precision_mode", "autocast", "--training.mixed_precision_reduce", "bfloat16"]),
+    (2, ["--parallelism.dp_backend", "simple_fsdp", "--parallelism.no_reshard_after_forward", "--compile.enable",
+         "--compile.bucketing", "none", "--activation_checkpoint.mode", "selective"]),
+    (4, [*MOE, "--parallelism.ep", "2", "--parallelism.dp_replicate", "2", "--training.micro_batch_size", "2"]),
+    (4, [*MOE, *PP2, "--parallelism.cp", "2", "--parallelism.ep", "2", "--training.float8", "tensorwise"]),
+    (8, [*PP2, "--parallelism.cp", "2", "--parallelism.tp", "2", "--parallelism.pp_schedule", "gpipe"]),
+]
+
+
+@pytest.mark.parametrize("world, options", LAYOUT_JOBS, ids=[" ".join(o) for _, o in LAYOUT_JOBS])
+def test_reference_is_a_valid_one_device_job_of_every_layout(world, options):
+    """The doctor's reference (the job alone on one device) of any job it accepts passes every
+    start-up check at world 1, and trains what the job trains: the same model, precision, batch,
+    sequences per forward and attention kernel, with no layout left but one device's."""
+    job = job_config(parse([*FP32, *options]), world)
+    reference = reference_config(job)  # check_options at world 1: a ConfigError fails the test here
+    assert reference.parallelism == Parallelism(dp_shard=1)
+    assert not reference.compile.autograd  # a ddp option: the one device runs eager autograd
+    per_forward = job.training.micro_batch_size // (microbatches(job) if job.parallelism.pp > 1 else 1)
+    assert reference.training == dataclasses.replace(job.training, micro_batch_size=per_forward)
+    assert (reference.model.flavor, reference.model.n_layers, reference.data, reference.optimizer) == \
+           (job.model.flavor, job.model.n_layers, job.data, job.optimizer)
+    assert resolve(reference).compute == resolve(job).compute
+    assert attention_kernel(reference) == attention_kernel(job)
+
+
+def test_layout_jobs_set_every_parallelism_option():
+    """A new parallelism option is reset by the reference's derivation (a fresh section) and tested
+    above only when some job here sets it."""
+    default = Parallelism()
+    set_ = {f.name for _, options in LAYOUT_JOBS for f in dataclasses.fields(Parallelism)
+            if getattr(parse(options).parallelism, f.name) != getattr(default, f.name)}
+    assert set_ == {f.name for f in dataclasses.fields(Parallelism)}
+
+
+def test_reference_keeps_the_kernel_auto_chose(monkeypatch):
+    """On CUDA `auto` is sdpa under cp or pp and flex without them: the reference, which has neither,
+    runs the job's kernel."""
+    monkeypatch.setattr("plait.models.masking.pick_device", lambda _: torch.device("cuda"))
+    job = job_config(parse([*FP32, "--parallelism.cp", "2"]), 2)
+    assert attention_kernel(reference_config(job)) == attention_kernel(job) == "sdpa"

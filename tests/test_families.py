@@ -8,7 +8,9 @@ plait builds each from its config.json alone: its logits equal transformers', gr
 the same config.json, and a folder trained and exported keeps the source's tokenizer files.
 """
 
+import inspect
 import json
+import shutil
 import subprocess
 import sys
 
@@ -149,6 +151,90 @@ def test_a_trained_and_exported_folder_keeps_its_family_config_and_tokenizer_fil
         assert chat == "<|user|>hi"
         model = transformers.AutoModelForCausalLM.from_pretrained(exported)
         assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[family]
+
+
+# A field config.json leaves out means what transformers' config class of the family gives (derived
+# as it derives it), not plait's own default: (family, fields removed, fields set).
+OMITTED = {
+    "qwen3_moe-norm_topk_prob": ("qwen3_moe", ("norm_topk_prob",), {}),  # False: top k not renormalised
+    "olmo2-rms_norm_eps": ("olmo2", ("rms_norm_eps",), {}),  # 1e-5, where most families have 1e-6
+    "smollm3-no_rope_layers": ("smollm3", ("no_rope_layers",), {}),  # from no_rope_layer_interval (4): block 3
+    "smollm3-no_rope_layers-interval_2": ("smollm3", ("no_rope_layers",), {"no_rope_layer_interval": 2}),
+    "smollm3-no_rope_layers-interval": ("smollm3", ("no_rope_layers", "no_rope_layer_interval"), {}),  # 4
+    "smollm3-rope_parameters": ("smollm3", ("rope_parameters",), {}),  # rope_theta 2e6
+    "smollm3-tie_word_embeddings": ("smollm3", ("tie_word_embeddings",), {}),  # tied
+    "mixtral-rope_parameters": ("mixtral", ("rope_parameters",), {}),  # rope_theta 1e6
+}
+
+
+@pytest.mark.parametrize("case", OMITTED)
+def test_a_field_left_out_means_the_familys_default(folders, tmp_path, case):
+    family, removed, changed = OMITTED[case]
+    shutil.copytree(folders(family), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(removed) <= config.keys()  # (else the case tests nothing)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in removed} | changed))
+    ours, _ = plait_model(tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    print(f"\n{case}: max |logits - transformers'| {diff:.2e}")
+    assert diff <= 1e-5  # as test_logits_equal_transformers
+
+
+SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB)
+EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4)}
+
+
+@pytest.mark.parametrize("family", ["llama", *CONFIGS])
+def test_a_config_json_of_sizes_alone_is_the_model_transformers_fills_in(tmp_path, family):
+    """Every field but the sizes left out: plait builds the model of transformers' config class with
+    its defaults, as that class writes it out in full."""
+    from plait import hf
+    from plait.hf.config import describe_difference
+
+    sizes = SIZES | EXPERT_SIZES.get(family, {})
+    full = json.loads(transformers.AutoConfig.for_model(family, **sizes).to_json_string(use_diff=False))
+    args = {}
+    for name, config in (("alone", {"model_type": family, **sizes}), ("full", full)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        args[name] = hf.model_args(tmp_path / name, "checkpoint.load")
+    assert args["alone"] == args["full"], describe_difference(args["full"], args["alone"])
+    # A size has no default that could fit the folder's weights: one left out is refused by name.
+    from plait.config import ConfigError
+
+    for size in sizes:
+        left = {k: v for k, v in sizes.items() if k != size}
+        (tmp_path / "alone" / "config.json").write_text(json.dumps({"model_type": family, **left}))
+        named = "num_local_experts" if size == "num_experts" else size  # (Qwen3-MoE's two names: either will do)
+        with pytest.raises(ConfigError, match=f"config.json lacks {named}$"):
+            hf.model_args(tmp_path / "alone", "checkpoint.load")
+
+
+def transformers_default(family: str, field: str):
+    """The default of `field` in transformers' config class for `family` ("absent": it has none)."""
+    config_class = type(transformers.AutoConfig.for_model(family))
+    parameters = inspect.signature(config_class.__init__).parameters
+    if field in parameters:
+        return parameters[field].default
+    if field == "rope_theta":  # transformers 5: inside rope_parameters, the class's default_theta when left out
+        return config_class.default_theta
+    return "absent"
+
+
+def test_the_defaults_plait_reads_are_transformers():
+    """plait's table of each family's defaults, field by field, against transformers' config classes:
+    the table cannot drift from the transformers it stands in for."""
+    from plait.hf.config import FAMILIES
+    from plait.hf.defaults import DEFAULTS, READ
+
+    assert DEFAULTS.keys() == FAMILIES.keys()
+    differ = {(family, field): (defaults.get(field, "absent"), transformers_default(family, field))
+              for family, defaults in DEFAULTS.items() for field in READ
+              if defaults.get(field, "absent") != transformers_default(family, field)}
+    assert not differ, differ  # (plait's, transformers')
 
 
 def test_plan_predicts_each_family_flavor(capsys):

@@ -1,12 +1,13 @@
 """Mixtures of experts: the layer against a per-expert loop, routing rules, the auxiliary loss's
 gradient, expert parallelism's regrouping, what the shared runs' metrics, probe and traces show,
-and the refusals. Parity against the single device is in test_parity (conftest's *_moe rows)."""
+what a pipeline counts and its router biases, and the refusals. Parity against the single device
+is in test_parity (conftest's *_moe rows)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import BF16, LAYOUTS, MOE, STEPS, layout_run, run_plait
+from conftest import BF16, CP2, LAYOUTS, MOE, PP2, REFERENCE, SIGMOID, STEPS, layout_run, losses, run_plait
 from plait.cli import main
 from plait.models.transformer import Transformer, num_params
 from plait.models.flavors import model_args
@@ -102,6 +103,95 @@ def test_the_expert_metrics_are_logged_and_the_load_counts_every_token(train_onc
             assert 0 < row["expert_load_min"] <= 64 <= row["expert_load_max"] < 4 * 64 * 2, (name, row)
     sigmoid, _ = layout_run(train_once, "ep2_moe_sigmoid")
     assert "aux_loss" not in sigmoid[0] and sigmoid[0]["expert_load_min"] <= 64
+
+
+def expert_metrics(rows: list[dict]) -> list[tuple]:
+    """Each step's (fewest, most) tokens of an expert, and the auxiliary loss where there is one."""
+    return [(row["expert_load_min"], row["expert_load_max"], row.get("aux_loss")) for row in rows]
+
+
+def assert_same_expert_metrics(rows: list[dict], reference: list[dict], rel: float):
+    got, want = expert_metrics(rows), expert_metrics(reference)
+    assert [g[:2] for g in got] == [w[:2] for w in want], (got, want)
+    assert [g[2] for g in got] == pytest.approx([w[2] for w in want], rel=rel), (got, want)
+
+
+@pytest.mark.parametrize("name", ["pp_moe", "pp_moe_sigmoid", "pp_ep2_moe"])
+def test_a_pipeline_s_shape_inference_counts_in_no_expert_metric(train_once, name):
+    """torch's pipeline forwards each stage once more to size its buffers: at the first step, and
+    again at the first training step after each validation (switching between eval and step makes
+    it infer anew: step 4 of the shared runs), the later stages on uninitialised inputs. That
+    pass must route nothing the step counts: every step's expert loads and auxiliary loss are the
+    single device's, which forwards the same micro-batches (the aux loss's layer terms are added
+    over the stages: last-bit differences). PP2+EP2 too, whose pass also sends its tokens."""
+    rows, reference = layout_run(train_once, name)[0], layout_run(train_once, REFERENCE[name])[0]
+    assert_same_expert_metrics(rows, reference, rel=1e-6)
+
+
+def router_biases(folder) -> dict:
+    from plait.checkpoint.safe_dcp import load, read_metadata
+
+    metadata = read_metadata(folder).state_dict_metadata
+    biases = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.endswith("router.bias")}
+    load(biases, folder, no_dist=True)
+    return biases
+
+
+def test_a_pipeline_moves_the_router_bias_as_one_device_and_resumes_bitwise(tmp_path):
+    """The sigmoid router's bias, which each step's expert loads move, pipelined over 2 ranks:
+    after 3 steps it is the single device's (forwarding the same micro-batches; integer loads
+    move it by +-moe_bias_rate, so bitwise), and resumed from there (the pipeline infers its
+    shapes again at the resumed run's first step) the last 3 steps and the final biases are
+    bitwise those of the run that went on."""
+    import shutil
+
+    args = [*SIGMOID, "--training.steps", "6", "--checkpoint.interval", "3"]
+    full, _ = run_plait(tmp_path, *args, *PP2, "--checkpoint.folder", str(tmp_path / "pp"), nproc=2)
+    run_plait(tmp_path, *args, "--training.micro_batch_size", "2", "--checkpoint.folder", str(tmp_path / "single"))
+    single, pipelined = (router_biases(tmp_path / run / "step-3") for run in ("single", "pp"))
+    assert len(single) == 2 and all(b.abs().sum() > 0 for b in single.values())  # both layers' biases moved
+    assert single.keys() == pipelined.keys() and all(torch.equal(single[k], pipelined[k]) for k in single), \
+        (single, pipelined)
+    shutil.copytree(tmp_path / "pp" / "step-3", tmp_path / "resumed" / "step-3")
+    resumed, proc = run_plait(tmp_path, *args, *PP2, "--checkpoint.folder", str(tmp_path / "resumed"), nproc=2)
+    assert "resumed from" in proc.stdout and losses(resumed) == losses(full)[3:]
+    final, went_on = (router_biases(tmp_path / run / "step-6") for run in ("resumed", "pp"))
+    assert all(torch.equal(final[k], went_on[k]) for k in went_on), (final, went_on)
+
+
+def dense_first_block_folder(folder):
+    """A Hugging Face Qwen3-MoE folder (plait writes it) of debug_moe's shape with block 0 dense
+    (mlp_only_layers [0]), and a tokenizer: under PP2 the first stage holds no mixture of experts."""
+    import json
+    from dataclasses import replace
+
+    from conftest import ROOT
+    from plait.data.tokenizer import train_bpe
+    from plait.hf.config import hf_config
+    from plait.hf.weights import write_weights
+    from plait.models.weights import init_weights
+
+    folder.mkdir()
+    train_bpe([(ROOT / "README.md").read_text()] * 4, 300).save(str(folder / "tokenizer.json"))
+    args = replace(FLAVORS["debug_moe"], vocab_size=320, dense_layers=(0,))
+    model = Transformer(args)
+    init_weights(model, 0)
+    write_weights(model.state_dict(), args, folder, torch.float32, 1 << 30)
+    (folder / "config.json").write_text(json.dumps(hf_config(args, torch.float32, None, 0)))
+    return folder
+
+
+@pytest.mark.slow
+def test_pp_cp_logs_the_aux_loss_of_one_device_when_rank_0_holds_no_experts(tmp_path):
+    """PP2 x CP2 (world 4) of a model whose first stage is a dense block: rank 0, which logs,
+    holds no mixture of experts, yet its aux loss is the single device's mean (the cp ranks'
+    terms are parts of one sequence's loss, added rather than averaged), as are the loads."""
+    folder = dense_first_block_folder(tmp_path / "hf")
+    args = ["--checkpoint.load", str(folder), "--training.steps", "2"]
+    single, _ = run_plait(tmp_path, *args, "--training.micro_batch_size", "2")
+    pp_cp, proc = run_plait(tmp_path, *args, *PP2, *CP2, nproc=4)
+    assert "stages of blocks 0-0 | 1-1" in proc.stdout
+    assert_same_expert_metrics(pp_cp, single, rel=1e-5)
 
 
 def test_experts_multiply_in_bf16_and_the_router_in_fp32(train_once):

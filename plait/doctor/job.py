@@ -22,11 +22,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from plait import hf
 from plait.checks import check_options
-from plait.config import JobConfig
+from plait.config import JobConfig, Parallelism
 from plait.data import build_tokenizer
 from plait.doctor.machine import gather, peers_differ
 from plait.doctor.network import agree
 from plait.doctor.report import FAIL, PASS, WARN, Check, rank_list
+from plait.models.masking import attention_kernel
 from plait.models.transformer import Transformer
 from plait.parallel.pipeline import microbatches
 from plait.precision import resolve
@@ -49,13 +50,18 @@ def job_config(cfg: JobConfig, world: int) -> JobConfig:
 
 
 def reference_config(job: JobConfig) -> JobConfig:
-    """The same job on one device: the same global batch in the same sequences per forward
-    (micro-batches accumulated where the job spreads them over ranks or pipeline stages)."""
+    """The same job on one device: the same model, precision, data and global batch in the same
+    sequences per forward (micro-batches accumulated where the job spreads them over ranks or
+    pipeline stages), and the same attention kernel; no layout left but one device's."""
     one = copy.deepcopy(job)
-    p, t = one.parallelism, one.training
-    per_forward = t.micro_batch_size // (microbatches(job) if p.pp > 1 else 1)
-    p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.dp_backend = 1, -1, 1, 1, 1, "fsdp2"
-    t.micro_batch_size = per_forward
+    one.training.micro_batch_size //= microbatches(job) if job.parallelism.pp > 1 else 1
+    # A fresh section: every degree 1 and every layout's own option at its default (an option added
+    # later too), fsdp2 being one device's path without fully_shard (plait/precision.py).
+    one.parallelism = Parallelism()
+    # A classic-DDP option; an eager backward is also the one the compiled one is judged against.
+    one.compile.autograd = False
+    # `auto` picks its kernel from the layout (sdpa under pp or cp): the reference keeps the job's.
+    one.model.attention = attention_kernel(job)
     return check_options(one, 1)
 
 

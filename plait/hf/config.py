@@ -4,7 +4,7 @@ SmolLM3) <-> plait's ModelArgs.
 Both layouts of the RoPE fields are read: the classic `rope_theta` + `rope_scaling`, and the
 `rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
 either carried over exactly or refused by name: a model loaded into the wrong function would
-train on silently.
+train on silently. A field left out means the family's default (plait/hf/defaults.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from plait.config import ConfigError
+from plait.hf.defaults import DEFAULTS, setting
 from plait.models.flavors import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
@@ -33,11 +34,11 @@ def read_config(folder: Path, option: str) -> dict:
         raise ConfigError(f"{option}: {folder / 'config.json'} is unreadable: {e}") from None
 
 
-def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
+def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from either layout; scaling None, or {"rope_type", its fields}."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or DEFAULTS[family]["rope_theta"])
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -64,29 +65,34 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 def family_switches(config: dict, family: str) -> dict:
     """The ModelArgs switches a family's config.json sets."""
-    attention_bias = bool(config.get("attention_bias"))
-    switches = {"qkv_bias": attention_bias, "out_bias": attention_bias, "ffn_bias": bool(config.get("mlp_bias"))}
+    attention_bias = bool(setting(config, family, "attention_bias"))
+    switches = {"qkv_bias": attention_bias, "out_bias": attention_bias,
+                "ffn_bias": bool(setting(config, family, "mlp_bias"))}
     if family == "qwen2":  # biases on q, k and v always, none on the output projection
         switches |= {"qkv_bias": True, "out_bias": False}
     if family in ("qwen3", "qwen3_moe"):
         switches["qk_norm"] = "head"
     if family == "qwen3_moe":  # a block is sparse unless listed in mlp_only_layers or off decoder_sparse_step
-        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+        step = setting(config, family, "decoder_sparse_step")
+        dense = set(setting(config, family, "mlp_only_layers") or [])
         experts = config.get("num_experts") or config["num_local_experts"]  # (transformers 4's name, and 5's)
-        switches |= {"n_experts": experts, "top_k": config["num_experts_per_tok"],
+        switches |= {"n_experts": experts, "top_k": setting(config, family, "num_experts_per_tok"),
                      "moe_hidden": config["moe_intermediate_size"],
-                     "normalize_top_k": bool(config.get("norm_topk_prob", True)),
+                     "normalize_top_k": bool(setting(config, family, "norm_topk_prob")),
                      "dense_layers": tuple(i for i in range(config["num_hidden_layers"])
                                            if i in dense or (i + 1) % step)}
     if family == "olmo2":
         switches |= {"qk_norm": "projection", "post_norm": True}
-    if family == "smollm3" and config.get("no_rope_layers"):  # 1 = this block uses RoPE
-        switches["nope_layers"] = tuple(i for i, rope in enumerate(config["no_rope_layers"]) if not rope)
+    if family == "smollm3":  # 1 = this block uses RoPE; without the list, every interval-th block has none
+        interval, rope = setting(config, family, "no_rope_layer_interval"), setting(config, family, "no_rope_layers")
+        if rope is None:
+            rope = [(i + 1) % interval != 0 for i in range(config["num_hidden_layers"])]
+        switches["nope_layers"] = tuple(i for i, uses_rope in enumerate(rope) if not uses_rope)
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
-        switches |= {"n_experts": config["num_local_experts"], "top_k": config["num_experts_per_tok"],
-                     "moe_hidden": config["intermediate_size"]}
-    if family in ("mistral", "mixtral") and config.get("sliding_window"):
-        switches["sliding_window"] = int(config["sliding_window"])
+        switches |= {"n_experts": config["num_local_experts"],
+                     "top_k": setting(config, family, "num_experts_per_tok"), "moe_hidden": config["intermediate_size"]}
+    if family in ("mistral", "mixtral") and setting(config, family, "sliding_window"):
+        switches["sliding_window"] = int(setting(config, family, "sliding_window"))
     return switches
 
 
@@ -96,22 +102,23 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     family = config.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(f"{where} holds a model_type {family!r} model; plait reads {', '.join(FAMILIES)}")
+    # (left out, each is unset in every family: the defaults table has those that are not expert counts)
     for field, what in UNSUPPORTED.items():
         if config.get(field) and not (family in MOE_FAMILIES and what == "mixture of experts"):
             raise ConfigError(f"{where} sets {field} ({what}), which plait does not compute; allowed: unset, "
                               "null or false")
-    if config.get("hidden_act", "silu") != "silu":
+    if setting(config, family, "hidden_act") != "silu":
         raise ConfigError(f"{where} sets hidden_act {config['hidden_act']!r}; allowed: 'silu'")
-    theta, scaling = rope_settings(config, where)
-    try:
-        return ModelArgs(dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-                         n_heads=config["num_attention_heads"],
-                         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+    theta, scaling = rope_settings(config, family, where)
+    try:  # (sizes have no default: a missing one is refused by name)
+        heads = config["num_attention_heads"]
+        return ModelArgs(dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
+                         n_kv_heads=setting(config, family, "num_key_value_heads") or heads,
                          vocab_size=config["vocab_size"], ffn_hidden=config["intermediate_size"],
-                         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                         norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-                         max_seq_len=config.get("max_position_embeddings", 2048),
-                         tie_embeddings=bool(config.get("tie_word_embeddings", False)), family=family,
+                         head_dim=setting(config, family, "head_dim") or config["hidden_size"] // heads,
+                         norm_eps=float(setting(config, family, "rms_norm_eps")), rope_theta=theta,
+                         rope_scaling=scaling, max_seq_len=setting(config, family, "max_position_embeddings"),
+                         tie_embeddings=bool(setting(config, family, "tie_word_embeddings")), family=family,
                          **family_switches(config, family))
     except KeyError as e:
         raise ConfigError(f"{where} lacks {e.args[0]}") from None

@@ -109,7 +109,7 @@ class MoE(nn.Module):
         # sets it), and how many they are: the auxiliary loss is then that of the whole sequences.
         self.sequence_sum, self.sequence_ranks = None, 1
         # (tokens per expert, auxiliary loss or None) of each training forward since the trainer
-        # last read them (plait/expert_load.py)
+        # last read them (plait/expert_load.py; a pipeline drops its shape inference's: pipeline.py)
         self.records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

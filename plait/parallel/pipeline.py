@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from plait.config import ConfigError, JobConfig, dp_degree, hf_folder
 from plait.models.flavors import FLAVORS, ModelArgs
 from plait.models.transformer import Transformer, cross_entropy
+from plait.models.moe import moe_layers
 from plait.parallel import parallelize
 from plait.precision import Precision, TrainContexts
 
@@ -142,13 +143,34 @@ def stage_model(args: ModelArgs, blocks: range, first: bool, last: bool) -> Tran
 class Stage(PipelineStage):
     """A PipelineStage that runs its forward and backward in plait's phase contexts, as outside
     pipelining: autocast (in autocast mode) around each stage's forward only, never around the
-    schedule's step, which runs backward too; the phase the probe and the profiler ranges record."""
+    schedule's step, which runs backward too; the phase the probe and the profiler ranges record.
+
+    Its forwards are the schedule's micro-batches (`forward_one_chunk`) and one more: torch
+    forwards the stage outside the chunks to infer the shapes the stages send each other, at a
+    process's first step (a resumed run's too) and again at the first step after each validation
+    (switching between `eval` and `step` makes it infer anew), the later stages on uninitialised
+    inputs. Mixtures of experts record that pass's routing as any forward's (plait/models/moe.py): the
+    step would count it in its expert loads and auxiliary loss, and move sigmoid routers' biases
+    by it. So what they recorded in a run before the stage's first chunk is dropped there: shape
+    inference is all a stage can run before it, whenever torch decides to run it. (Rather than a
+    switch MoE.forward reads, which a compiled block guards on and would recompile for; shapes
+    given to PipelineStage up front, which under TP are DTensor metadata torch infers best itself;
+    or an override of torch's private inference methods, which a rename would silently bypass.)"""
 
     def __init__(self, *args, contexts: TrainContexts, **kwargs):
         super().__init__(*args, **kwargs)
         self.contexts = contexts
+        self.experts = moe_layers(self.submod)
+        self.recorded_before_run: list[int] | None = None  # each MoE layer's records when a run began
+
+    def begin_run(self) -> None:
+        self.recorded_before_run = [len(moe.records) for moe in self.experts]
 
     def forward_one_chunk(self, *args, **kwargs):
+        if self.recorded_before_run is not None:  # the run's first chunk: anything since is shape inference's
+            for moe, kept in zip(self.experts, self.recorded_before_run):
+                del moe.records[kept:]
+            self.recorded_before_run = None
         with self.contexts.forward():
             return super().forward_one_chunk(*args, **kwargs)
 
@@ -201,7 +223,7 @@ class Pipeline:
             part = stage_model(args, ranges[index], first=index == 0, last=index == len(ranges) - 1)
             parts.append(parallelize(part, mesh, cfg, precision, device, pipelined=True))
             stages.append(Stage(parts[-1], index, len(ranges), device, group=self.group, contexts=contexts))
-        self.module = StageParts(parts)
+        self.module, self.stages = StageParts(parts), stages
         self.has_first, self.has_last = 0 in indices, len(ranges) - 1 in indices
         m = self.microbatches = microbatches(cfg)
 
@@ -241,6 +263,8 @@ class Pipeline:
         kwargs = {**attention, **({"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {})}
         # Loss parallelism around the whole step: at the first step the stages also run forward
         # and backward for shape inference, outside the chunk methods that enter the phases.
+        for stage in self.stages:
+            stage.begin_run()
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             run(*([inputs] if self.has_first else []), **kwargs)
         return losses
