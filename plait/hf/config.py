@@ -38,7 +38,8 @@ def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | 
     """(rope_theta, scaling) from either layout; scaling None, or {"rope_type", its fields}."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or DEFAULTS[family]["rope_theta"])
+    # rope_parameters' theta first: given both, transformers 5 takes it
+    theta = float(params.get("rope_theta") or config.get("rope_theta") or DEFAULTS[family]["rope_theta"])
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
