@@ -43,7 +43,7 @@ def train(argv: list[str]) -> int:
         return launch_local(argv, cfg.nproc, cfg.max_restarts)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:
         raise ConfigError(f"nproc: {cfg.nproc} does not match torchrun's world size {os.environ['WORLD_SIZE']}")
-    from plait.checkpoint import SaveFailed
+    from plait.checkpoint.checkpointer import SaveFailed
     from plait.preemption import Preempted
     from plait.train import TrainingError, run
 
@@ -239,7 +239,7 @@ def seed_checkpoint(argv: list[str]) -> int:
     out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     cfg = parse_args(argv, prog="plait seed-checkpoint")
     from plait import hf
-    from plait.checkpoint import write_seed_checkpoint
+    from plait.checkpoint.checkpointer import write_seed_checkpoint
     from plait.data import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.data)

@@ -1,9 +1,9 @@
-"""Every option of a plait job: typed defaults, TOML files, command line, validation.
+"""Every option of a plait job: typed defaults, TOML files, command line, and the quantities
+derived from them (world size, dp degree, accumulation steps, a data mixture's sources).
 
 One dataclass per TOML section. The same names work as `--section.key VALUE` on the command
-line and as `[section] key = value` in a TOML file; the command line wins. Validation that needs
-no process group (choices, degrees, batch arithmetic, files) runs on every rank before
-`init_process_group`, so a bad option fails everywhere at once instead of hanging a collective.
+line and as `[section] key = value` in a TOML file; the command line wins. `plait.checks` checks
+the options against each other before any process group exists.
 """
 
 from __future__ import annotations
@@ -335,114 +335,6 @@ def job_tokenizer(cfg: JobConfig) -> str:
 
 def dp_degree(cfg: JobConfig) -> int:
     return cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
-
-
-def validate(cfg: JobConfig, world: int) -> JobConfig:
-    """Check what the options alone can tell, without a process group; fill in derived defaults.
-    (`plait.checks.check_options` runs this, then the checks that need a module's knowledge.)
-
-    Runs identically on every rank, so every rank raises the same error before any collective.
-    """
-    p, t = cfg.parallelism, cfg.training
-    hf_start = hf_folder(cfg)
-    if cfg.model.flavor == "auto" and hf_start is None:
-        cfg.model.flavor = "debug"
-    cfg.data.tokenizer = job_tokenizer(cfg)
-    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
-    if cfg.model.n_layers < 0:
-        raise ConfigError(f"model.n_layers: must be >= 0 (0 = the flavor's), got {cfg.model.n_layers}")
-    if cfg.activation_checkpoint.every < 1:
-        raise ConfigError(f"activation_checkpoint.every: must be >= 1, got {cfg.activation_checkpoint.every}")
-    if cfg.activation_checkpoint.mode == "full" and p.dp_backend == "simple_fsdp" and cfg.compile.enable:
-        raise ConfigError("activation_checkpoint.mode: full under simple_fsdp with compile.enable fails in torch 2.13's "
-                          "partitioner (it tries to save the device mesh); allowed there: none or selective (what "
-                          "SimpleFSDP's resharding does anyway), or full without compile.enable")
-    others = p.dp_replicate * p.cp * p.tp * p.pp
-    if p.dp_shard == -1:
-        if world % others:
-            raise ConfigError(f"parallelism: dp_replicate*cp*tp*pp = {others} does not divide the world size {world}")
-        p.dp_shard = world // others
-    elif p.dp_shard < 1:
-        raise ConfigError(f"parallelism.dp_shard: must be -1 or >= 1, got {p.dp_shard}")
-    if others * p.dp_shard != world:
-        raise ConfigError(
-            f"parallelism: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x cp({p.cp}) x tp({p.tp}) x "
-            f"pp({p.pp}) = {others * p.dp_shard} must equal the world size {world}")
-    if p.dp_backend == "ddp" and p.dp_shard != 1:
-        raise ConfigError(f"parallelism.dp_backend: ddp replicates, it cannot shard (dp_shard={p.dp_shard}); "
-                          "use dp_replicate alone, or dp_backend fsdp2 for FSDP2/HSDP")
-    if p.dp_backend == "ddp" and p.tp > 1:
-        raise ConfigError("parallelism.dp_backend: ddp cannot wrap tensor-parallel (DTensor) parameters; "
-                          "use dp_backend fsdp2, where DDP+TP is fully_shard on the replicate dimension x tp")
-    if cfg.compile.autograd and p.dp_backend != "ddp":
-        raise ConfigError("compile.autograd: compiled autograd silently stops FSDP2's gradient reduction after step 0 "
-                          "(torch 2.13); allowed only with --parallelism.dp_backend ddp")
-    if cfg.debug.dtype_probe and cfg.compile.enable:
-        raise ConfigError("debug.dtype_probe: the probe records eager ops, and torch.compile cannot trace under it; "
-                          "drop --compile.enable to probe")
-    if cfg.training.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("training.device: cuda was asked for but no CUDA device is available; allowed: auto, cpu")
-    for name in ("steps", "global_batch_size", "seq_len"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"training.{name}: must be >= 1, got {getattr(t, name)}")
-    for name in ("lr", "max_norm", "weight_decay"):
-        if not math.isfinite(getattr(t, name)):  # NaN passes every comparison below
-            raise ConfigError(f"training.{name}: must be a finite number, got {getattr(t, name)}")
-    if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0:
-        raise ConfigError("training: lr must be > 0; warmup_steps, max_norm and threads must be >= 0")
-    dp = dp_degree(cfg)
-    if t.micro_batch_size == 0:
-        if t.global_batch_size % dp:
-            raise ConfigError(f"training.global_batch_size: {t.global_batch_size} is not divisible by the dp degree {dp}")
-        t.micro_batch_size = t.global_batch_size // dp
-    if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"training.global_batch_size: {t.global_batch_size} must be a multiple of micro_batch_size"
-            f" ({t.micro_batch_size}) x dp degree ({dp})")
-    if cfg.metrics.log_interval < 1 or cfg.comm.timeout_seconds < 1:
-        raise ConfigError("metrics.log_interval and comm.timeout_seconds: must be >= 1")
-    for name in ("path", "tokenizer", "val_path"):
-        value = getattr(cfg.data, name)
-        if value and not Path(value).exists():
-            raise ConfigError(f"data.{name}: {value!r} does not exist")
-    if cfg.data.mix:
-        if cfg.data.path:
-            raise ConfigError("data.mix: give data.path or data.mix, not both")
-        mix_sources(cfg.data.mix)
-    if t.eval_interval < 0 or t.eval_steps < 1:
-        raise ConfigError(f"training.eval_interval must be >= 0 and eval_steps >= 1, got {t.eval_interval}, "
-                          f"{t.eval_steps}")
-    if t.eval_interval and not cfg.data.val_path:
-        raise ConfigError("training.eval_interval: set data.val_path too (what should the validation loss be measured on?)")
-    c = cfg.checkpoint
-    if cfg.max_restarts < 0:
-        raise ConfigError(f"max_restarts: must be >= 0, got {cfg.max_restarts}")
-    if cfg.max_restarts and not (c.folder and c.interval):
-        raise ConfigError("max_restarts: set checkpoint.folder and checkpoint.interval too (a restarted job resumes "
-                          "from its newest checkpoint; without one it would start over)")
-    if c.interval < 0 or c.keep_latest_k < 0:
-        raise ConfigError("checkpoint.interval and checkpoint.keep_latest_k: must be >= 0")
-    if c.interval and not c.folder:
-        raise ConfigError("checkpoint.interval: set checkpoint.folder too (where should checkpoints go?)")
-    if c.load and not Path(c.load).is_dir():
-        raise ConfigError(f"checkpoint.load: {c.load!r} is not a folder")
-    prof = cfg.profiling
-    if prof.steps < 1:
-        raise ConfigError(f"profiling.steps: must be >= 1, got {prof.steps}")
-    if prof.enable and not prof.folder:
-        raise ConfigError("profiling.folder: must be a non-empty path when profiling.enable is set")
-    if prof.start_step < 0:
-        raise ConfigError(f"profiling.start_step: must be >= 0, got {prof.start_step}")
-    last_profiled = (prof.start_step or 2) + prof.steps - 1
-    if prof.enable and t.steps < last_profiled:
-        raise ConfigError(f"profiling.steps: profiling {prof.steps} steps from step {prof.start_step or 2} "
-                          f"needs training.steps >= {last_profiled}, got {t.steps}")
-    return cfg
 
 
 def mix_sources(spec: str) -> list[tuple[str, float]]:

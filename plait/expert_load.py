@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.moe import moe_layers
-from plait.shapes import ModelArgs
+from plait.models.moe import moe_layers
+from plait.models.flavors import ModelArgs
 
 
 class ExpertLoad:
@@ -22,7 +22,7 @@ class ExpertLoad:
         self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
         self.enabled, self.aux = bool(args.n_experts), args.router == "softmax"
         n_moe = args.sparse_blocks
-        # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/moe.py: aux_loss)
+        # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/models/moe.py: aux_loss)
         self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group
         for layer in self.layers:
             # loss + coefficient x (the layers' mean), each micro-batch's share; the gradient average

@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custom_all_gather's interface (no public path)
 
 from plait.config import ConfigError, JobConfig
-from plait.model import ModelArgs, Transformer
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer
 
 # _scaled_mm multiplies float8 matrices whose dimensions are multiples of 16 (CUDA's kernels need
 # it; the CPU kernel accepts any shape, but a layer that could not run float8 on a GPU must not

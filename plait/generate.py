@@ -19,12 +19,15 @@ from tokenizers import Tokenizer
 
 from plait import hf
 from plait.arguments import parse
-from plait.checkpoint import check_compatible, load_full_state_dict, read_manifest
+from plait.checkpoint.manifest import check_compatible, read_manifest
+from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
 from plait.data import eos_id
 from plait.hf.tokenizer import TOKENIZER
-from plait.model import KVCache, ModelArgs, Transformer
-from plait.weights import fill_weights
+from plait.models.attention import KVCache
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer
+from plait.models.weights import fill_weights
 
 
 @dataclass

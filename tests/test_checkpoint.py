@@ -36,9 +36,11 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
     """The seed checkpoint holds exactly the seed-5 init, and replaces a run's own init (seed 0):
     every layout's step-1 loss equals the single process started from it — bitwise for data
     parallelism, within TP's fp32 reduction-order difference for TP."""
-    from plait.checkpoint import load_full_state_dict, read_manifest
-    from plait.model import ModelArgs, Transformer
-    from plait.weights import init_weights
+    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.manifest import read_manifest
+    from plait.models.flavors import ModelArgs
+    from plait.models.transformer import Transformer
+    from plait.models.weights import init_weights
 
     args = ModelArgs(**read_manifest(seed_ckpt)["model_args"])
     model = Transformer(args)
@@ -108,7 +110,7 @@ def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
     """Changed on resume, training.lr and weight_decay take effect like steps and warmup_steps do
     (they used to come back from the checkpoint silently): the logged lr is the new schedule's."""
     from plait.arguments import parse_args
-    from plait.schedule import factor as lr_factor
+    from plait.optim.schedule import factor as lr_factor
 
     folder = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.interval", "3"]
     run_plait(tmp_path, "--training.steps", "3", *folder)
@@ -316,9 +318,9 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, seed_ck
     """The digests' names come from disk: a device (which never ends: `generate` hung hashing it), an
     absolute or ../ path, a folder or a link are refused in one line, by every command that reads a
     checkpoint, before anything is hashed."""
-    from plait.checkpoint import check_compatible, read_manifest, saved_model
+    from plait.checkpoint.manifest import check_compatible, read_manifest, saved_model
     from plait.config import ConfigError
-    from plait.shapes import ModelArgs
+    from plait.models.flavors import ModelArgs
 
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not the checkpoint's")
@@ -345,9 +347,11 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, seed_ck
 
 def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_ckpt):
     transformers = pytest.importorskip("transformers")
-    from plait.checkpoint import load_full_state_dict, read_manifest
+    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.manifest import read_manifest
     from plait.hf import HFWeights
-    from plait.model import ModelArgs, Transformer
+    from plait.models.flavors import ModelArgs
+    from plait.models.transformer import Transformer
 
     out = tmp_path / "hf"
     plait("export", "--checkpoint", str(seed_ckpt), "--out", str(out), "--dtype", "float32")
@@ -372,10 +376,10 @@ def test_hf_folders_that_compute_differently_are_refused(tmp_path, seed_ckpt):
     """Same shape is not same model: Llama 3.1 8B's scaled RoPE taken for llama3_8b would run
     with the wrong frequencies. Checked against the run's model with one line naming the field;
     a config.json whose biases the weights lack is refused naming them."""
-    from plait.checkpoint import read_manifest
+    from plait.checkpoint.manifest import read_manifest
     from plait.config import ConfigError
     from plait.hf import check
-    from plait.model import ModelArgs
+    from plait.models.flavors import ModelArgs
 
     out = tmp_path / "hf"
     plait("export", "--checkpoint", str(seed_ckpt), "--out", str(out), "--dtype", "float32")
@@ -424,7 +428,7 @@ def test_a_checkpoint_folder_cannot_run_code(tmp_path):
     import hashlib
     import pickle
 
-    from plait.safe_dcp import read_metadata
+    from plait.checkpoint.safe_dcp import read_metadata
 
     marker = tmp_path / "ran"
 
@@ -470,14 +474,17 @@ import os
 import re
 
 if os.environ.get("RANK") == "1":
-    import plait.checkpoint as checkpoint
+    import sys
 
-    def stale(root, seen=checkpoint.latest_complete):
+    from plait.checkpoint import manifest  # before plait imports its latest_complete by name
+
+    def stale(root, seen=manifest.latest_complete):
         newest = seen(root)
         older = [p for p in newest.parent.glob("step-*") if p != newest] if newest else []
+        print(f"rank 1 sees {newest} as missing", file=sys.stderr)  # the test knows the fault was on
         return max(older, key=lambda p: int(p.name.removeprefix("step-")), default=None)
 
-    checkpoint.latest_complete = stale
+    manifest.latest_complete = stale
 '''
 
 
@@ -491,7 +498,8 @@ def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path, monkeypatch):
     (tmp_path / "site" / "sitecustomize.py").write_text(STALE_VIEW)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
     resumed, proc = run_plait(tmp_path, "--training.steps", "6", *folder, "--comm.timeout_seconds", "30", nproc=2,
-                              check=False, timeout=180)
+                              check=False, timeout=180, forked=False)  # (a forked rank runs no sitecustomize)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"rank 1 sees {tmp_path / 'c' / 'step-6'} as missing" in proc.stderr
     assert f"resumed from {tmp_path / 'c' / 'step-4'}" in proc.stdout
     assert [r["step"] for r in resumed] == [5, 6] and losses(resumed) == losses(straight)[4:]

@@ -14,7 +14,8 @@ from conftest import AUTOCAST, BF16, LAYOUTS, STEPS, layout_run, losses, max_abs
 from plait import parallel
 from plait.arguments import parse_args
 from plait.checks import check_options
-from plait.model import cross_entropy, model_args
+from plait.models.transformer import cross_entropy
+from plait.models.flavors import model_args
 from plait.precision import TrainContexts, resolve
 
 pytestmark = pytest.mark.slow

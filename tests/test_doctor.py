@@ -16,7 +16,7 @@ from plait.doctor import parse
 from plait.doctor.job import job_config, reference_config
 from plait.doctor.network import pairings
 from plait.doctor.report import odd_ones
-from plait.masking import attention_kernel
+from plait.models.masking import attention_kernel
 from plait.parallel.pipeline import microbatches
 from plait.precision import resolve
 
@@ -156,6 +156,6 @@ def test_layout_jobs_set_every_parallelism_option():
 def test_reference_keeps_the_kernel_auto_chose(monkeypatch):
     """On CUDA `auto` is sdpa under cp or pp and flex without them: the reference, which has neither,
     runs the job's kernel."""
-    monkeypatch.setattr("plait.masking.pick_device", lambda _: torch.device("cuda"))
+    monkeypatch.setattr("plait.models.masking.pick_device", lambda _: torch.device("cuda"))
     job = job_config(parse([*FP32, "--parallelism.cp", "2"]), 2)
     assert attention_kernel(reference_config(job)) == attention_kernel(job) == "sdpa"

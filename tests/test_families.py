@@ -237,6 +237,19 @@ def test_the_defaults_plait_reads_are_transformers():
     assert not differ, differ  # (plait's, transformers')
 
 
+def test_rope_parameters_win_over_a_top_level_rope_theta_as_in_transformers():
+    """transformers 5 writes rope_theta inside rope_parameters and, given both, takes that one."""
+    from transformers import LlamaConfig
+
+    from plait.hf.config import rope_settings
+
+    both = {"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,
+             "vocab_size": 100}
+    assert LlamaConfig.from_dict({**both, **sizes}).rope_parameters["rope_theta"] == 500000.0
+    assert rope_settings(both, "llama", "checkpoint.load") == (500000.0, None)
+
+
 def test_plan_predicts_each_family_flavor(capsys):
     from plait.cli import main
 

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 from conftest import BF16, FLOAT8, LAYOUTS, ROOT, STEPS, TINY, degrees, layout_run, losses, run_plait
 from plait import float8
-from plait.checkpoint import load_full_state_dict
+from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.config import ConfigError
-from plait.model import ModelArgs, model_args
+from plait.models.flavors import ModelArgs, model_args
 from plait.proof.trace import summarise
 
 # The debug model's blocks: 2 x (wq, wk, wv, wo, w1, w2, w3) run float8; the output layer does not.

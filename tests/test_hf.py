@@ -67,8 +67,8 @@ def folders(tmp_path_factory):
 
 def plait_model(folder):
     from plait import hf
-    from plait.model import Transformer
-    from plait.weights import fill_weights
+    from plait.models.transformer import Transformer
+    from plait.models.weights import fill_weights
 
     args = hf.model_args(folder, "checkpoint.load")
     weights = hf.HFWeights(folder, args, "checkpoint.load")
@@ -79,7 +79,7 @@ def plait_model(folder):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_logits_and_rope_frequencies_equal_transformers(folders, shape):
-    from plait.model import rope_frequencies
+    from plait.models.rope import rope_frequencies
 
     theirs = make_hf_model(shape)
     ours, _ = plait_model(folders(shape, sharded=shape == "llama3.2"))

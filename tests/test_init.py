@@ -7,9 +7,10 @@ import torch.multiprocessing as mp
 
 from plait.arguments import parse_args
 from plait.checks import check_options
-from plait.model import Transformer, model_args
+from plait.models.transformer import Transformer
+from plait.models.flavors import model_args
 from plait.precision import resolve
-from plait.weights import init_weights
+from plait.models.weights import init_weights
 
 pytestmark = pytest.mark.slow
 

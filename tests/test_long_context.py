@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.masking import additive, allowed, block_mask, document_ids, positions_in_documents
-from plait.model import FLAVORS, Transformer
+from plait.models.masking import additive, allowed, block_mask, document_ids, positions_in_documents
+from plait.models.flavors import FLAVORS
+from plait.models.transformer import Transformer
 from plait.parallel.context_parallel import BatchLayout, chunk_indices, sequence_order
-from plait.weights import init_weights
+from plait.models.weights import init_weights
 
 EOS = 3
 
@@ -122,7 +123,7 @@ def test_masked_attention_in_query_blocks_equals_one_masked_sdpa_call():
     under the whole mask computes (measured bitwise in the forward; fp32 bounds 1e-6 forward and
     1e-5 for gradients, which autograd sums over the blocks in another order), at a length that
     leaves a partial block."""
-    from plait.model import masked_attention
+    from plait.models.attention import masked_attention
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 4, 1100, 16, generator=g, requires_grad=True)

@@ -2,8 +2,10 @@
 
 import torch
 
-from plait.model import FLAVORS, Transformer, apply_rope, flops_per_token, model_args, num_params, rope_table
-from plait.weights import init_weights
+from plait.models.flavors import FLAVORS, model_args
+from plait.models.transformer import Transformer, flops_per_token, num_params
+from plait.models.rope import apply_rope, rope_table
+from plait.models.weights import init_weights
 
 
 def test_llama3_shapes_build_on_meta_with_published_sizes():

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 
 from conftest import BF16, CP2, LAYOUTS, MOE, PP2, REFERENCE, SIGMOID, STEPS, layout_run, losses, run_plait
 from plait.cli import main
-from plait.model import Transformer, model_args, num_params
-from plait.moe import AuxLoss, Router, swiglu_experts
+from plait.models.transformer import Transformer, num_params
+from plait.models.flavors import model_args
+from plait.models.moe import AuxLoss, Router, swiglu_experts
 from plait.parallel.expert_parallel import regroup
 from plait.proof.trace import summarise
-from plait.shapes import FLAVORS
+from plait.models.flavors import FLAVORS
 
 
 def per_expert_loop(x, counts, w1, w2, w3):
@@ -128,7 +129,7 @@ def test_a_pipeline_s_shape_inference_counts_in_no_expert_metric(train_once, nam
 
 
 def router_biases(folder) -> dict:
-    from plait.safe_dcp import load, read_metadata
+    from plait.checkpoint.safe_dcp import load, read_metadata
 
     metadata = read_metadata(folder).state_dict_metadata
     biases = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.endswith("router.bias")}
@@ -168,7 +169,7 @@ def dense_first_block_folder(folder):
     from plait.data.tokenizer import train_bpe
     from plait.hf.config import hf_config
     from plait.hf.weights import write_weights
-    from plait.weights import init_weights
+    from plait.models.weights import init_weights
 
     folder.mkdir()
     train_bpe([(ROOT / "README.md").read_text()] * 4, 300).save(str(folder / "tokenizer.json"))

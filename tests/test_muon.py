@@ -9,8 +9,9 @@ import torch
 
 from conftest import LAYOUTS, MUON, STEPS, layout_run, losses, run_plait
 from plait.cli import main
-from plait.model import Transformer, model_args
-from plait.optim import muon_scale, newton_schulz, uses_muon
+from plait.models.transformer import Transformer
+from plait.models.flavors import model_args
+from plait.optim.optimizers import muon_scale, newton_schulz, uses_muon
 from plait.proof.trace import summarise
 
 

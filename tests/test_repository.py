@@ -25,3 +25,9 @@ def is_binary(path: str) -> bool:
 def test_nothing_binary_is_tracked_but_the_docs_plots():
     binaries = [p for p in tracked_files() if (ROOT / p).is_file() and is_binary(p)]
     assert [p for p in binaries if not any(fnmatch(p, pattern) for pattern in OWN_BINARIES)] == []
+
+
+def test_every_module_is_small():
+    """Files under ~400 lines: a module that outgrows it holds two things and splits along them."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "plait").rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 400} == {}

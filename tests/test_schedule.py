@@ -9,7 +9,7 @@ import pytest
 from conftest import TINY, run_plait
 from plait.arguments import parse_args
 from plait.config import ConfigError
-from plait.schedule import check_schedule, factor
+from plait.optim.schedule import check_schedule, factor
 
 
 def schedule(*args: str):

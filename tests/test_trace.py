@@ -105,7 +105,8 @@ def test_classic_ddp_reduces_once_per_step_not_per_micro_batch(traces, capsys):
     buckets (1 MiB in bf16): two all-reduces per step carrying every gradient exactly once."""
     import torch
 
-    from plait.model import Transformer, model_args, num_params
+    from plait.models.transformer import Transformer, num_params
+    from plait.models.flavors import model_args
 
     folder = traces("classic_ddp_accum2")
     code, out, err = trace(capsys, folder, "--expect", "backward:all_reduce:bf16=2", "--expect", "forward:!all_reduce")

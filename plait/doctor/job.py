@@ -27,8 +27,8 @@ from plait.data import build_tokenizer
 from plait.doctor.machine import gather, peers_differ
 from plait.doctor.network import agree
 from plait.doctor.report import FAIL, PASS, WARN, Check, rank_list
-from plait.masking import attention_kernel
-from plait.model import Transformer
+from plait.models.masking import attention_kernel
+from plait.models.transformer import Transformer
 from plait.parallel.pipeline import microbatches
 from plait.precision import resolve
 from plait.train import run

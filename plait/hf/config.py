@@ -17,7 +17,7 @@ import torch
 
 from plait.config import ConfigError
 from plait.hf.defaults import DEFAULTS, setting
-from plait.model import ModelArgs
+from plait.models.flavors import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -38,7 +38,8 @@ def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | 
     """(rope_theta, scaling) from either layout; scaling None, or {"rope_type", its fields}."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or DEFAULTS[family]["rope_theta"])
+    # rope_parameters' theta first: given both, transformers 5 takes it
+    theta = float(params.get("rope_theta") or config.get("rope_theta") or DEFAULTS[family]["rope_theta"])
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -190,7 +191,7 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     """The run's model: the config.json of a Hugging Face folder given as checkpoint.load (a
     model.flavor or model.n_layers given as well must agree with it), else model.flavor's shape."""
     from plait.config import hf_folder
-    from plait.model import model_args as flavor_args
+    from plait.models.flavors import model_args as flavor_args
 
     folder = hf_folder(cfg)
     if folder is None:

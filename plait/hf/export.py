@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from plait.checkpoint import check_compatible, load_full_state_dict, read_manifest
+from plait.checkpoint.manifest import check_compatible, read_manifest
+from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.config import hf_config
 from plait.hf.weights import write_weights
-from plait.model import ModelArgs
+from plait.models.flavors import ModelArgs
 
 
 def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:

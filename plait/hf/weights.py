@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from plait.config import ConfigError
 from plait.hf.config import describe_difference
 from plait.hf.config import model_args as hf_model_args
-from plait.model import ModelArgs
+from plait.models.flavors import ModelArgs
 
 LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
@@ -166,7 +166,7 @@ def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
 
 def parameter_names(args: ModelArgs) -> list[str]:
     """The model's parameters by plait name, each once (a tied output layer is the embedding)."""
-    from plait.model import Transformer
+    from plait.models.transformer import Transformer
 
     with torch.device("meta"):
         return [name for name, _ in Transformer(args).named_parameters()]

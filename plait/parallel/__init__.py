@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait import float8
 from plait.config import JobConfig
-from plait.model import ModelArgs, Transformer
-from plait.moe import MoE
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer
+from plait.models.moe import MoE
 from plait.parallel.activation_checkpoint import apply_ac
 from plait.parallel.context_parallel import BatchLayout, apply_cp  # noqa: F401 (BatchLayout: the package's interface)
 from plait.parallel.data_parallel import apply_fsdp
@@ -27,7 +28,7 @@ from plait.parallel.mesh import DP_DIMS, build_mesh, describe  # noqa: F401 (the
 from plait.parallel.simple_fsdp import apply_simple_fsdp, compile_whole_model, raw_parameters
 from plait.parallel.tensor_parallel import apply_tp
 from plait.precision import Precision
-from plait.weights import init_weights
+from plait.models.weights import init_weights
 
 
 def build_model(args: ModelArgs, mesh: DeviceMesh, cfg: JobConfig, precision: Precision,

@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.config import ConfigError, JobConfig
-from plait.masking import allowed, block_mask, document_ids, positions_in_documents
-from plait.moe import moe_layers
+from plait.models.masking import allowed, block_mask, document_ids, positions_in_documents
+from plait.models.moe import moe_layers
 
 
 def check_context_parallel(cfg: JobConfig) -> None:
@@ -66,7 +66,7 @@ def sequence_order(gathered: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
 class BatchLayout:
     """What this rank's model gets of each micro-batch: (tokens, labels, forward kwargs). Under the
     causal mask without cp, the batch as it is (SDPA's causal path); else RoPE positions and a
-    mask (plait/masking.py) for this rank's share of the sequence."""
+    mask (plait/models/masking.py) for this rank's share of the sequence."""
 
     def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int):
         self.document, self.kernel, self.eos, self.rank, self.cp = mask == "document", kernel, eos, cp_rank, cp

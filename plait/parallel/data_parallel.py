@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from plait.float8 import ByteAllGather
-from plait.moe import MoE
+from plait.models.moe import MoE
 from plait.parallel.mesh import shard_dim
 from plait.precision import Precision
 

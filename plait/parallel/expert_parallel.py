@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from plait.config import ConfigError, JobConfig
-from plait.moe import GroupedExperts, moe_layers, swiglu_experts
-from plait.shapes import ModelArgs
+from plait.models.moe import GroupedExperts, moe_layers, swiglu_experts
+from plait.models.flavors import ModelArgs
 
 
 def check_expert_options(cfg: JobConfig) -> None:

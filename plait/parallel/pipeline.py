@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig, dp_degree, hf_folder
-from plait.model import FLAVORS, ModelArgs, Transformer, cross_entropy
-from plait.moe import moe_layers
+from plait.models.flavors import FLAVORS, ModelArgs
+from plait.models.transformer import Transformer, cross_entropy
+from plait.models.moe import moe_layers
 from plait.parallel import parallelize
 from plait.precision import Precision, TrainContexts
 
@@ -148,7 +149,7 @@ class Stage(PipelineStage):
     forwards the stage outside the chunks to infer the shapes the stages send each other, at a
     process's first step (a resumed run's too) and again at the first step after each validation
     (switching between `eval` and `step` makes it infer anew), the later stages on uninitialised
-    inputs. Mixtures of experts record that pass's routing as any forward's (plait/moe.py): the
+    inputs. Mixtures of experts record that pass's routing as any forward's (plait/models/moe.py): the
     step would count it in its expert loads and auxiliary loss, and move sigmoid routers' biases
     by it. So what they recorded in a run before the stage's first chunk is dropped there: shape
     inference is all a stage can run before it, whenever torch decides to run it. (Rather than a

@@ -29,8 +29,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from plait.config import ConfigError, JobConfig
-from plait.model import ModelArgs, TiedOutput
-from plait.moe import MoE
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import TiedOutput
+from plait.models.moe import MoE
 
 
 def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:

@@ -33,7 +33,8 @@ from plait.arguments import parse, parse_args
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, hf_folder, job_tokenizer
 from plait.hardware import GPU_PEAK_TFLOPS
-from plait.model import ModelArgs, Transformer, num_params
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer, num_params
 from plait.plan.comm import Hardware, collectives, step_seconds
 from plait.plan.memory import Layout, activation_bytes, buffer_bytes, rank_parameters, rank_stages, state_bytes
 
@@ -162,7 +163,7 @@ def model_shape(cfg: JobConfig) -> ModelArgs:
     flavor with the tokenizer's vocabulary (nothing is tokenized: plan needs shapes only)."""
     from plait import hf
     from plait.data import vocab_size
-    from plait.model import FLAVORS
+    from plait.models.flavors import FLAVORS
 
     vocab = 0  # the tokenizer's, as training settles it (a Hugging Face folder's must fit its embeddings)
     if hf_folder(cfg) is not None or cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from plait import float8
 from plait.config import JobConfig, dp_degree
-from plait.model import ModelArgs, flops_per_token
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import flops_per_token
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
                                rank_parameters, rank_stages, units)

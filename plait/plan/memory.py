@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from plait.config import JobConfig
-from plait.model import QUERY_BLOCK, ModelArgs, Transformer
-from plait.optim import uses_muon
+from plait.models.attention import QUERY_BLOCK
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer
+from plait.optim.optimizers import uses_muon
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 
 # (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum.)
@@ -111,7 +113,7 @@ def units(params: dict[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, 
 def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout, optimizer: str = "adamw") -> int:
     """fp32 parameter + fp32 gradient + AdamW exp_avg and exp_avg_sq, per element; and AdamW's
     step counter (a float32 scalar tensor) per parameter. Under Muon its matrices hold one
-    momentum instead of the two moments (plait/optim.py)."""
+    momentum instead of the two moments (plait/optim/optimizers.py)."""
     total = 0
     for name, shape in params.items():
         rows, cols = local_rows_cols(name, shape, layout)

@@ -35,7 +35,8 @@ from plait.config import ConfigError, Data, Flavor
 from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.hf.config import FAMILIES as HF_FAMILIES
-from plait.model import FLAVORS, linear_weight_shapes, model_args
+from plait.models.flavors import FLAVORS, model_args
+from plait.models.transformer import linear_weight_shapes
 from plait.proof.bench_table import DTYPES, PP_MICROBATCHES, hardware_line, markdown
 from plait.proof.trace import idle_fractions, phase_seconds, summarise
 

@@ -285,7 +285,8 @@ def main(argv: list[str]) -> int:
     golden = read_golden(args.golden, flat(shared_cfg), args.steps) if args.golden else None
     atol = 0.0 if args.assert_equal else args.atol
 
-    from plait.checkpoint import read_manifest, write_seed_checkpoint
+    from plait.checkpoint.manifest import read_manifest
+    from plait.checkpoint.checkpointer import write_seed_checkpoint
 
     out, seed = Path(args.out), Path(args.out) / "seed"
     if seed.exists():

@@ -30,7 +30,7 @@ from plait.checks import check_options
 from plait.config import JobConfig
 from plait.precision import resolve
 from plait.train import init_distributed
-from plait.weights import fill_weights
+from plait.models.weights import fill_weights
 
 def gib(field):
     return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]) / 2**20
@@ -68,7 +68,8 @@ def make_checkpoint(folder: Path, shard_mb: int) -> None:
 
     from plait.hf.config import hf_config
     from plait.hf.weights import parameter_names, write_weights
-    from plait.model import FLAVORS, Transformer
+    from plait.models.flavors import FLAVORS
+    from plait.models.transformer import Transformer
 
     if (folder / "config.json").exists():
         return

@@ -58,10 +58,10 @@ def _environ(pid: int) -> str:
 
 def complete_checkpoints_load(folder: Path) -> tuple[int, int]:
     """(checkpoints with a manifest, those of them that do not load)."""
-    from plait.checkpoint import check_compatible, read_manifest
-    from plait.digests import verify
+    from plait.checkpoint.manifest import check_compatible, read_manifest
+    from plait.checkpoint.digests import verify
     from plait.config import ConfigError
-    from plait.model import ModelArgs
+    from plait.models.flavors import ModelArgs
 
     complete = [p for p in folder.glob("step-*") if read_manifest(p) is not None]
     bad = 0

@@ -3,11 +3,11 @@
 A checkpoint is a folder written by `torch.distributed.checkpoint` (DCP) — each rank writes its
 own shards, and any other layout can read them back (DCP reshards on load) — plus `plait.json`,
 the manifest: model shape, step, data-loader and LR-schedule state, RNG state, and the sha256 of
-every file (`plait.digests`). The manifest is written last, atomically, by rank 0 once every
+every file (`digests.py`, in `manifest.py`). The manifest is written last, atomically, by rank 0 once every
 rank's data is on disk, so a folder without one is never taken as complete: a crash mid-save can
 leave debris, never a checkpoint.
 
-Nothing read here can run code: DCP's files are read through `plait.safe_dcp`, everything
+Nothing read here can run code: DCP's files are read through `safe_dcp.py`, everything
 else is JSON. Every decision that changes which collectives a rank runs (which checkpoint to
 resume, whether a step still needs saving) is rank 0's, sent to the others: ranks can see a
 shared filesystem at different moments (NFS caches lookups), and must not act on their views.
@@ -16,15 +16,10 @@ shared filesystem at different moments (NFS caches lookups), and must not act on
 from __future__ import annotations
 
 import base64
-import json
-import os
-import re
 import shutil
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -36,165 +31,18 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from plait import digests, float8, hf, safe_dcp
-from plait.digests import damaged, verify
+from plait import float8, hf
+from plait.checkpoint import digests, safe_dcp
+from plait.checkpoint.digests import verify
+from plait.checkpoint.manifest import (RESUMABLE, STEP_FOLDER, claim_folder, latest_complete, new_manifest,
+                                       read_manifest, resumable_options, shown, write_manifest)
 from plait.config import ConfigError, JobConfig
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.tokenizer import TOKENIZER
-from plait.model import ModelArgs, Transformer
-from plait.optim import group_options
-from plait.weights import fill_weights, init_weights
-
-MANIFEST = "plait.json"
-FORMAT = 1  # of the manifest and the state in it: a plait that reads an older format says so
-OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
-STEP_FOLDER = re.compile(r"step-(\d+)$")
-# What a resumed run may change, each option under its section: the optimizer's and the schedule's
-# options (steps too: the schedule decays towards this run's last step). The manifest records them
-# by bare name; a change is said once at resume.
-RESUMABLE = {"lr": "training", "weight_decay": "training", "steps": "training", "warmup_steps": "training",
-             "lr_schedule": "training", "min_lr_ratio": "training", "decay_fraction": "training",
-             "decay_shape": "training", "betas": "optimizer", "eps": "optimizer", "momentum": "optimizer",
-             "ns_steps": "optimizer"}
-MUON_ONLY = ("momentum", "ns_steps")  # options AdamW has no use for: neither recorded nor said for it
-
-
-def read_manifest(folder: Path) -> dict | None:
-    return _read_json(folder / MANIFEST)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def write_manifest(folder: Path, manifest: dict) -> None:
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / MANIFEST)  # atomic: the folder is complete from this instant on
-
-
-def latest_complete(root: str) -> Path | None:
-    """The newest step-N folder under `root` that has a manifest."""
-    if not root or not Path(root).is_dir():
-        return None
-    steps = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := STEP_FOLDER.match(p.name))]
-    for _, folder in sorted(steps, reverse=True):
-        if read_manifest(folder) is not None:
-            return folder
-    return None
-
-
-def resumable_options(cfg: JobConfig) -> dict:
-    """This run's RESUMABLE options, by bare name, as JSON keeps them (a tuple as a list)."""
-    return {name: list(value) if isinstance(value := getattr(getattr(cfg, section), name), tuple) else value
-            for name, section in RESUMABLE.items() if cfg.optimizer.name == "muon" or name not in MUON_ONLY}
-
-
-def shown(value) -> str:
-    if isinstance(value, (list, tuple)):
-        return f"({', '.join(map(shown, value))})"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def check_optimizer_kept(folder: Path, cfg: JobConfig) -> None:
-    """A training checkpoint resumes under the optimizer that wrote it (its state is that optimizer's)."""
-    saved = (read_manifest(folder) or {}).get("hyperparameters", {}).get("optimizer", "adamw")
-    if saved != cfg.optimizer.name:
-        raise ConfigError(f"optimizer.name: {folder} was trained with {saved}, whose state does not carry over to "
-                          f"{cfg.optimizer.name}; allowed here: {saved} (or a new checkpoint.folder that starts from "
-                          f"these weights: --checkpoint.load {folder})")
-
-
-def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
-    """Fail with one line, before any process group, if `folder` cannot start this model."""
-    if not folder.is_dir():
-        raise ConfigError(f"{option}: {str(folder)!r} is not a folder")
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise ConfigError(f"{option}: {folder} has no {MANIFEST}: not a plait checkpoint, or a save that never "
-                          "completed")
-    if manifest.get("format", 1) > FORMAT:  # manifests before the field are format 1
-        raise ConfigError(f"{option}: {folder} was written by plait {manifest.get('plait')} in checkpoint format "
-                          f"{manifest['format']}; this plait ({version('plait')}) reads formats up to {FORMAT}: "
-                          "upgrade plait to resume it")
-    if saved_model(manifest) != asdict(args):
-        theirs, ours = saved_model(manifest), asdict(args)
-        diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
-        raise ConfigError(f"{option}: {folder} holds another model ({manifest.get('flavor')}: {diff} in this run)")
-    try:
-        metadata = safe_dcp.read_metadata(folder)
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise ConfigError(f"{option}: {folder} is unreadable: {e}") from None
-    saved = metadata.state_dict_metadata
-    ends: dict[str, int] = {}  # each data file must reach the end of the last item stored in it
-    for info in (metadata.storage_data or {}).values():
-        if Path(info.relative_path).name != info.relative_path:
-            raise ConfigError(f"{option}: {folder}'s DCP metadata names {info.relative_path!r}, a file outside the "
-                              "folder: not a checkpoint plait (or DCP) writes")
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        size = (folder / name).stat().st_size if (folder / name).exists() else None
-        if size is None or size < end:
-            raise ConfigError(f"{option}: {folder / name} is {'missing' if size is None else f'truncated ({size} bytes)'}"
-                              f", its checkpoint's metadata needs {end} bytes: {damaged(folder)}")
-    if stray := digests.first_stray(folder, manifest.get("digests")):
-        raise ConfigError(f"{option}: {folder}: {stray}; {damaged(folder)}")
-    undigested = sorted(set(ends) - set(manifest.get("digests", ends)))  # checkpoints before digests have none
-    if undigested:
-        raise ConfigError(f"{option}: {folder}'s {MANIFEST} has no digest of {undigested[0]}, which its DCP metadata "
-                          f"names: the manifest belongs to another save; {damaged(folder)}")
-    with torch.device("meta"):
-        expected = {f"model.{k}": v.shape for k, v in Transformer(args).state_dict().items()}
-    missing = sorted(set(expected) - set(saved))
-    wrong = [f"{k} {tuple(saved[k].size)} (expected {tuple(v)})" for k, v in expected.items()
-             if k in saved and tuple(saved[k].size) != tuple(v)]
-    if missing or wrong:
-        raise ConfigError(f"{option}: {folder} does not match the model: missing {missing[:3]}, wrong shapes {wrong[:3]}")
-    return manifest
-
-
-def saved_model(record: dict) -> dict:
-    """A manifest's (or owner file's) model_args with the fields added since it was written at
-    their defaults: the same model reads as the same."""
-    return asdict(ModelArgs(**record["model_args"])) if "model_args" in record else {}
-
-
-def job_identity(cfg: JobConfig, args: ModelArgs, tokens_sha256: str) -> dict:
-    """What makes two runs one job, whose checkpoints they may share: the model, the token stream
-    (corpus and tokenizer, by content), the seed and the batch shape. Layout, steps, lr and the
-    like may change between restarts of one job."""
-    t = cfg.training
-    return {"model_args": asdict(args), "tokens_sha256": tokens_sha256[:16],
-            "training.seed": t.seed, "training.global_batch_size": t.global_batch_size, "training.seq_len": t.seq_len}
-
-
-def check_owner(root: str, identity: dict) -> None:
-    """Refuse, with one line, a checkpoint.folder that another job owns: sharing one, two jobs
-    would delete each other's saves in flight as debris, prune each other's checkpoints and
-    resume from each other's."""
-    owner = _read_json(Path(root) / OWNER) if root else None
-    owner = {**owner, "model_args": saved_model(owner)} if owner is not None else None
-    if owner is not None and owner != identity:
-        differ = [f"{k} {owner.get(k)} vs {v}" if k != "model_args" else "model_args" for k, v in identity.items()
-                  if owner.get(k) != v]
-        raise ConfigError(f"checkpoint.folder: {root} belongs to another job ({', '.join(differ)} in this run); give "
-                          "this job a folder of its own, or start from one of its checkpoints with --checkpoint.load")
-
-
-def claim_folder(root: Path, identity: dict) -> None:
-    if not (root / OWNER).exists():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{OWNER}.tmp"
-        tmp.write_text(json.dumps(identity, indent=1))
-        os.replace(tmp, root / OWNER)
-
-
-def _manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) -> dict:
-    return {"format": FORMAT, "plait": version("plait"), "kind": kind, "step": step, "flavor": cfg.model.flavor,
-            "model_args": asdict(args), **extra}
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer
+from plait.models.weights import fill_weights, init_weights
+from plait.optim.optimizers import group_options
 
 
 def load_full_state_dict(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
@@ -220,7 +68,7 @@ def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path, tokenizer:
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
     tokenizer.save(str(out / TOKENIZER))
-    write_manifest(out, _manifest(cfg, args, "seed", 0, digests=digests.collect(out, 0, 1, timeout=0)))
+    write_manifest(out, new_manifest(cfg, args, "seed", 0, digests=digests.collect(out, 0, 1, timeout=0)))
 
 
 def _cause(error: BaseException) -> str:
@@ -320,7 +168,7 @@ class Checkpointer:
         groups come back from the checkpoint with the former values (and under pipeline
         parallelism on some ranks only: DCP drops the others' non-tensor entries, and the stages
         would step with different betas), so each group is rebuilt from this run's options; the
-        schedule, a function of them (see plait/schedule.py), continues from the resumed step.
+        schedule, a function of them (see plait/optim/schedule.py), continues from the resumed step.
         Rank 0 says which options differ from those the checkpoint recorded."""
         t, groups = self.cfg.training, self.optimizer.param_groups
         self.scheduler.base_lrs = [t.lr] * len(groups)
@@ -372,7 +220,7 @@ class Checkpointer:
         if dist.get_rank() == 0 and folder.exists():
             shutil.rmtree(folder)  # debris of a save that never completed
         dist.barrier()
-        manifest = _manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
+        manifest = new_manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
                              hyperparameters={**resumable_options(self.cfg), "optimizer": self.cfg.optimizer.name},
                              scheduler=self.scheduler.state_dict(),
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from plait.model import Transformer, initial_value
+from plait.models.transformer import Transformer, initial_value
 
 
 def init_weights(model: Transformer, seed: int) -> None:

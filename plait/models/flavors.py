@@ -1,6 +1,6 @@
 """A model's shape and switches (ModelArgs), and the named shapes (flavors): Llama 3's sizes,
 the small sizes of its relatives, and tiny ones for tests. Plain data: the model is built from
-it in plait/model.py.
+it in plait/models/.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ModelArgs:
     # Mistral's window of keys per query. plait computes attention over the whole sequence, which
     # is the same model while sequences are no longer than the window; 0 = none.
     sliding_window: int = 0
-    # Mixture of experts (plait/moe.py): n_experts > 0 replaces the feed-forward of every block but
+    # Mixture of experts (plait/models/moe.py): n_experts > 0 replaces the feed-forward of every block but
     # dense_layers with top_k of n_experts SwiGLUs of moe_hidden each, plus n_shared_experts that
     # every token goes through. router: "softmax" (then top k, renormalised if normalize_top_k;
     # Qwen3-MoE, Mixtral) or "sigmoid" (a load-balancing bias steers the choice; DeepSeek-V3).

@@ -1,0 +1,177 @@
+"""A checkpoint's manifest (`plait.json`) and the checks made on a folder before anything loads.
+
+The manifest records the model's shape, the step, the data-loader and LR-schedule state, the RNG
+state, the options a resumed run may change, and the sha256 of every file (`digests`). It is
+written last, atomically, by rank 0 once every rank's data is on disk, so a folder without one is
+never taken as complete. Every check here runs in one process, before any process group exists:
+a folder that cannot start this run is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from plait.checkpoint import digests, safe_dcp
+from plait.checkpoint.digests import damaged
+from plait.config import ConfigError, JobConfig
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer
+
+MANIFEST = "plait.json"
+FORMAT = 1  # of the manifest and the state in it: a plait that reads an older format says so
+OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
+STEP_FOLDER = re.compile(r"step-(\d+)$")
+# What a resumed run may change, each option under its section: the optimizer's and the schedule's
+# options (steps too: the schedule decays towards this run's last step). The manifest records them
+# by bare name; a change is said once at resume.
+RESUMABLE = {"lr": "training", "weight_decay": "training", "steps": "training", "warmup_steps": "training",
+             "lr_schedule": "training", "min_lr_ratio": "training", "decay_fraction": "training",
+             "decay_shape": "training", "betas": "optimizer", "eps": "optimizer", "momentum": "optimizer",
+             "ns_steps": "optimizer"}
+MUON_ONLY = ("momentum", "ns_steps")  # options AdamW has no use for: neither recorded nor said for it
+
+
+def read_manifest(folder: Path) -> dict | None:
+    return _read_json(folder / MANIFEST)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, folder / MANIFEST)  # atomic: the folder is complete from this instant on
+
+
+def latest_complete(root: str) -> Path | None:
+    """The newest step-N folder under `root` that has a manifest."""
+    if not root or not Path(root).is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := STEP_FOLDER.match(p.name))]
+    for _, folder in sorted(steps, reverse=True):
+        if read_manifest(folder) is not None:
+            return folder
+    return None
+
+
+def resumable_options(cfg: JobConfig) -> dict:
+    """This run's RESUMABLE options, by bare name, as JSON keeps them (a tuple as a list)."""
+    return {name: list(value) if isinstance(value := getattr(getattr(cfg, section), name), tuple) else value
+            for name, section in RESUMABLE.items() if cfg.optimizer.name == "muon" or name not in MUON_ONLY}
+
+
+def shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"({', '.join(map(shown, value))})"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_optimizer_kept(folder: Path, cfg: JobConfig) -> None:
+    """A training checkpoint resumes under the optimizer that wrote it (its state is that optimizer's)."""
+    saved = (read_manifest(folder) or {}).get("hyperparameters", {}).get("optimizer", "adamw")
+    if saved != cfg.optimizer.name:
+        raise ConfigError(f"optimizer.name: {folder} was trained with {saved}, whose state does not carry over to "
+                          f"{cfg.optimizer.name}; allowed here: {saved} (or a new checkpoint.folder that starts from "
+                          f"these weights: --checkpoint.load {folder})")
+
+
+def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
+    """Fail with one line, before any process group, if `folder` cannot start this model."""
+    if not folder.is_dir():
+        raise ConfigError(f"{option}: {str(folder)!r} is not a folder")
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ConfigError(f"{option}: {folder} has no {MANIFEST}: not a plait checkpoint, or a save that never "
+                          "completed")
+    if manifest.get("format", 1) > FORMAT:  # manifests before the field are format 1
+        raise ConfigError(f"{option}: {folder} was written by plait {manifest.get('plait')} in checkpoint format "
+                          f"{manifest['format']}; this plait ({version('plait')}) reads formats up to {FORMAT}: "
+                          "upgrade plait to resume it")
+    if saved_model(manifest) != asdict(args):
+        theirs, ours = saved_model(manifest), asdict(args)
+        diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
+        raise ConfigError(f"{option}: {folder} holds another model ({manifest.get('flavor')}: {diff} in this run)")
+    try:
+        metadata = safe_dcp.read_metadata(folder)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise ConfigError(f"{option}: {folder} is unreadable: {e}") from None
+    saved = metadata.state_dict_metadata
+    ends: dict[str, int] = {}  # each data file must reach the end of the last item stored in it
+    for info in (metadata.storage_data or {}).values():
+        if Path(info.relative_path).name != info.relative_path:
+            raise ConfigError(f"{option}: {folder}'s DCP metadata names {info.relative_path!r}, a file outside the "
+                              "folder: not a checkpoint plait (or DCP) writes")
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (folder / name).stat().st_size if (folder / name).exists() else None
+        if size is None or size < end:
+            raise ConfigError(f"{option}: {folder / name} is {'missing' if size is None else f'truncated ({size} bytes)'}"
+                              f", its checkpoint's metadata needs {end} bytes: {damaged(folder)}")
+    if stray := digests.first_stray(folder, manifest.get("digests")):
+        raise ConfigError(f"{option}: {folder}: {stray}; {damaged(folder)}")
+    undigested = sorted(set(ends) - set(manifest.get("digests", ends)))  # checkpoints before digests have none
+    if undigested:
+        raise ConfigError(f"{option}: {folder}'s {MANIFEST} has no digest of {undigested[0]}, which its DCP metadata "
+                          f"names: the manifest belongs to another save; {damaged(folder)}")
+    with torch.device("meta"):
+        expected = {f"model.{k}": v.shape for k, v in Transformer(args).state_dict().items()}
+    missing = sorted(set(expected) - set(saved))
+    wrong = [f"{k} {tuple(saved[k].size)} (expected {tuple(v)})" for k, v in expected.items()
+             if k in saved and tuple(saved[k].size) != tuple(v)]
+    if missing or wrong:
+        raise ConfigError(f"{option}: {folder} does not match the model: missing {missing[:3]}, wrong shapes {wrong[:3]}")
+    return manifest
+
+
+def saved_model(record: dict) -> dict:
+    """A manifest's (or owner file's) model_args with the fields added since it was written at
+    their defaults: the same model reads as the same."""
+    return asdict(ModelArgs(**record["model_args"])) if "model_args" in record else {}
+
+
+def job_identity(cfg: JobConfig, args: ModelArgs, tokens_sha256: str) -> dict:
+    """What makes two runs one job, whose checkpoints they may share: the model, the token stream
+    (corpus and tokenizer, by content), the seed and the batch shape. Layout, steps, lr and the
+    like may change between restarts of one job."""
+    t = cfg.training
+    return {"model_args": asdict(args), "tokens_sha256": tokens_sha256[:16],
+            "training.seed": t.seed, "training.global_batch_size": t.global_batch_size, "training.seq_len": t.seq_len}
+
+
+def check_owner(root: str, identity: dict) -> None:
+    """Refuse, with one line, a checkpoint.folder that another job owns: sharing one, two jobs
+    would delete each other's saves in flight as debris, prune each other's checkpoints and
+    resume from each other's."""
+    owner = _read_json(Path(root) / OWNER) if root else None
+    owner = {**owner, "model_args": saved_model(owner)} if owner is not None else None
+    if owner is not None and owner != identity:
+        differ = [f"{k} {owner.get(k)} vs {v}" if k != "model_args" else "model_args" for k, v in identity.items()
+                  if owner.get(k) != v]
+        raise ConfigError(f"checkpoint.folder: {root} belongs to another job ({', '.join(differ)} in this run); give "
+                          "this job a folder of its own, or start from one of its checkpoints with --checkpoint.load")
+
+
+def claim_folder(root: Path, identity: dict) -> None:
+    if not (root / OWNER).exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{OWNER}.tmp"
+        tmp.write_text(json.dumps(identity, indent=1))
+        os.replace(tmp, root / OWNER)
+
+
+def new_manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) -> dict:
+    return {"format": FORMAT, "plait": version("plait"), "kind": kind, "step": step, "flavor": cfg.model.flavor,
+            "model_args": asdict(args), **extra}

@@ -1,0 +1,20 @@
+"""The dense feed-forward layer: SwiGLU (Llama's)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.models.flavors import ModelArgs
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=args.ffn_bias)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=args.ffn_bias)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=args.ffn_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

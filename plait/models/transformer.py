@@ -1,0 +1,169 @@
+"""The transformer: embedding, blocks of attention and a feed-forward layer (dense SwiGLU, or a
+mixture of experts where the flavor says so), a final norm and the output layer (optionally tied
+to the embedding); its init, loss and FLOP counts.
+
+Parameter names follow Meta's reference (tok_embeddings, layers.N.attention.wq, ..., output) so
+parallelism plans and checkpoints can address them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.models.attention import Attention, KVCache
+from plait.models.flavors import ModelArgs
+from plait.models.masking import additive
+from plait.models.mlp import FeedForward
+from plait.models.moe import MoE, moe_layers
+from plait.models.norms import RMSNorm
+from plait.models.rope import rope_table
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        self.post_norm = args.post_norm
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, rope=index not in args.nope_layers)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
+        # (mask and cache by keyword: tensor parallelism's input plan covers the positional inputs)
+        if self.post_norm:
+            x = x + self.attention_norm(self.attention(x, rope, mask=mask, cache=cache))
+            return x + self.ffn_norm(self.feed_forward(x))
+        x = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TiedOutput(nn.Module):
+    """The output layer of a tied model: logits = x @ embedding matrix^T. It owns no parameter:
+    the embedding owns the one matrix, so every wrapper (sharding, initialisation, checkpoints)
+    meets it once, and both uses' gradients reach it through autograd."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.embedding = [embedding]  # in a list: not a submodule, so the matrix is not registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.embedding[0].weight)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keeps FQNs stable ("layers.3") when pipeline stages drop some layers.
+        # Stages also drop the embedding (all but the first) and norm + output (all but the last).
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = TiedOutput(self.tok_embeddings) if args.tie_embeddings else \
+            nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the RoPE table: after `to_empty` a non-persistent buffer holds garbage."""
+        device = next(self.parameters()).device
+        a = self.args
+        self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
+        for moe in moe_layers(self):  # (a checkpoint's router biases are loaded after this)
+            if moe.router.bias is not None:
+                moe.router.bias.zero_()
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
+        `mask` (plait/models/masking.py): which keys each query sees, None = causal over the sequence."""
+        # A pipeline stage lacks some parts: what it lacks, the activations pass through.
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        start = cache.length if cache is not None else 0
+        rope = self.rope[positions] if positions is not None else self.rope[start:]
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            # Once for every layer, in the dtype q has (autocast's, else the activations'), so
+            # SDPA neither converts nor saves a copy per layer.
+            autocast = torch.is_autocast_enabled(x.device.type)
+            mask = additive(mask, torch.get_autocast_dtype(x.device.type) if autocast else x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, rope, mask=mask, cache=cache)
+        return self.output(self.norm(x)) if self.output is not None else x
+
+    def init_std(self, name: str) -> float | None:
+        """Init scale of parameter `name`: None = ones (norms), 0 = zeros (biases), else a
+        truncated normal's std.
+
+        Residual-branch outputs (wo, w2) shrink with depth as in torchtitan, so the residual
+        stream keeps its scale at init however deep the model is.
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(".bias"):
+            return 0.0
+        if name == "tok_embeddings.weight":  # tied, it is the output layer's too: that scale
+            return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
+        if name == "output.weight":
+            return self.args.dim ** -0.5
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
+        return 0.02
+
+
+def initial_value(model: Transformer, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The full fp32 initial value of one parameter, from (seed, name) alone, on the CPU.
+
+    Keying the random stream on the name makes the init independent of layout, rank count
+    and construction order: every layout slices its shard out of the same full tensor.
+    """
+    std = model.init_std(name)
+    if std is None:
+        return torch.ones(shape)
+    if std == 0:
+        return torch.zeros(shape)
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+    value = torch.empty(shape)
+    return nn.init.trunc_normal_(value, std=std, a=-3 * std, b=3 * std, generator=torch.Generator().manual_seed(key))
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in float32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False, active: bool = False) -> int:
+    """Parameters of the model; `active`: those one token uses (top_k of each MoE layer's experts)."""
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        total -= model.tok_embeddings.weight.numel()
+    if active:
+        for moe in moe_layers(model):
+            idle = 1 - moe.router.top_k / moe.n_experts
+            total -= round(idle * sum(p.numel() for p in moe.experts.parameters()))
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per non-embedding parameter a token uses (of a mixture of
+    experts, its top_k experts) plus attention scores.
+
+    Attention counts the full (not causal) seq x seq products, 12 * layers * dim * seq, the
+    convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs.
+    """
+    with torch.device("meta"):
+        n = num_params(Transformer(args), exclude_embedding=True, active=True)
+    tied_output = args.vocab_size * args.dim if args.tie_embeddings else 0  # a matmul, though no parameter of its own
+    return 6 * (n + tied_output) + 12 * args.n_layers * args.dim * seq_len
+
+
+def linear_weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:
+    """The distinct (out, in) weight shapes of the model's linear layers: what its matmuls multiply."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    return sorted(shapes | ({(args.vocab_size, args.dim)} if args.tie_embeddings else set()))
