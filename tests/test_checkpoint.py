@@ -114,9 +114,10 @@ def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
 
     folder = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.interval", "3"]
     run_plait(tmp_path, "--training.steps", "3", *folder)
-    new = ["--training.steps", "6", "--training.lr", "5e-4", "--training.weight_decay", "0.05"]
+    new = ["--training.steps", "6", "--training.lr", "5e-4", "--training.weight_decay", "0.05", "--training.max_norm", "2"]
     resumed, proc = run_plait(tmp_path, *new, *folder)
-    assert "resuming with training.lr 0.002 -> 0.0005, training.weight_decay 0.1 -> 0.05" in proc.stdout
+    assert "resuming with training.lr 0.002 -> 0.0005, training.weight_decay 0.1 -> 0.05, training.max_norm 1 -> 2" \
+        in proc.stdout
     factor = lr_factor(parse_args([*TINY, *new]))
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["lr"] for r in resumed] == [5e-4 * factor(step - 1) for step in (4, 5, 6)]

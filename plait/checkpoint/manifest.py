@@ -29,10 +29,11 @@ MANIFEST = "plait.json"
 FORMAT = 1  # of the manifest and the state in it: a plait that reads an older format says so
 OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
 STEP_FOLDER = re.compile(r"step-(\d+)$")
-# What a resumed run may change, each option under its section: the optimizer's and the schedule's
-# options (steps too: the schedule decays towards this run's last step). The manifest records them
-# by bare name; a change is said once at resume.
-RESUMABLE = {"lr": "training", "weight_decay": "training", "steps": "training", "warmup_steps": "training",
+# What a resumed run may change, each option under its section: the optimizer's, the schedule's
+# (steps too: the schedule decays towards this run's last step) and clipping's. The manifest records
+# them by bare name; a change is said once at resume.
+RESUMABLE = {"lr": "training", "weight_decay": "training", "max_norm": "training", "steps": "training",
+             "warmup_steps": "training",
              "lr_schedule": "training", "min_lr_ratio": "training", "decay_fraction": "training",
              "decay_shape": "training", "betas": "optimizer", "eps": "optimizer", "momentum": "optimizer",
              "ns_steps": "optimizer"}
