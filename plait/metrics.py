@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from plait import run_summary
 from plait.hardware import Peak
 
 
@@ -67,8 +68,10 @@ class MetricsLogger:
     lost, which it trains again), so the file keeps exactly one row per step.
     """
 
-    def __init__(self, jsonl: str, tensorboard: str, log_interval: int, resumed_step: int = 0):
-        self.log_interval = log_interval
+    def __init__(self, jsonl: str, tensorboard: str, log_interval: int, resumed_step: int = 0, plot: str = "",
+                 sinks: list = ()):
+        self.log_interval, self.plot = log_interval, plot
+        self.sinks = list(sinks)  # more places rows go (plait.wandb_log.WandbRun): log, finish, close
         self.jsonl = None
         if jsonl:
             path = Path(jsonl)
@@ -100,9 +103,33 @@ class MetricsLogger:
             for key, value in row.items():
                 if key != "step" and value is not None:
                     self.writer.add_scalar(key, value, step)
+        for sink in self.sinks:
+            sink.log(row)
+
+    def finish(self, summary: dict) -> None:
+        """The end-of-run summary (plait.run_summary): printed, and written where the metrics go:
+        `<jsonl name>.summary.json` next to the JSONL (whose rows stay one per step) and a text
+        entry in TensorBoard. Every sink that reports the end of a run takes it from here."""
+        for line in run_summary.lines(summary):
+            print(line, flush=True)
+        if self.jsonl:
+            path = Path(self.jsonl.name).with_suffix(".summary.json")
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(summary, indent=1) + "\n")
+            os.replace(tmp, path)
+        if self.writer and summary["step"] is not None:
+            self.writer.add_text("summary", "\n\n".join(run_summary.lines(summary)), summary["step"])
+        for sink in self.sinks:
+            sink.finish(summary)
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
+            if self.plot:  # also after a failure or a signal: the curves up to where the run stopped
+                from plait.plot import plot_runs
+
+                plot_runs([Path(self.jsonl.name)], Path(self.plot))
         if self.writer:
             self.writer.close()
+        for sink in self.sinks:
+            sink.close()

@@ -1,0 +1,69 @@
+"""The end of a run in one dict: what it reached, what it cost, where its weights are, what to type next.
+
+plait.train builds it on rank 0 from the run's per-step rows; MetricsLogger.finish prints it (`lines`)
+and writes it where the metrics go, so a script or a dashboard reads the numbers the console showed.
+Speeds are means over the run's steps after its first: the first step carries the warm-up (kernel
+selection, allocator growth, compilation) and would dominate a short run's mean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build(rows: list[dict], *, tokens_per_step: int, sources: list[tuple[str, int, int]], startup_s: float,
+          wall_s: float, checkpoint: Path | None) -> dict:
+    """`rows`: this run's per-step rows (after a resume, its steps only); `sources`: (label,
+    sequences used since step 1, sequences in one epoch) per data source; `startup_s`: from the
+    start of the run to its first step; `checkpoint`: the newest complete one, or None."""
+    last = rows[-1] if rows else {}
+    timed = rows[1:] or rows  # the first step's warm-up left out, unless it is the only one
+    seconds = sum(row["step_time"] for row in timed)
+    mfus = [row["mfu"] for row in timed]
+    val = [row for row in rows if "val_loss" in row]
+    summary = {
+        "step": last.get("step"), "steps_run": len(rows), "loss": last.get("loss"),
+        "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
+        "tokens": last.get("step", 0) * tokens_per_step,
+        "sources": [{"source": label, "sequences": used, "epochs": used / per_epoch}
+                    for label, used, per_epoch in sources],
+        "wall_time_s": wall_s, "startup_s": startup_s, "first_step_s": rows[0]["step_time"] if rows else None,
+        # MFU is proportional to tokens/s, so its time-weighted mean is the MFU of the mean speed
+        "tokens_per_sec": len(timed) * tokens_per_step / seconds if timed else None,
+        "mfu": sum(m * row["step_time"] for m, row in zip(mfus, timed)) / seconds
+        if timed and None not in mfus else None,
+        "mean_over_steps": [timed[0]["step"], timed[-1]["step"]] if timed else None,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+    }
+    summary["next"] = next_commands(checkpoint)
+    return summary
+
+
+def next_commands(checkpoint: Path | None) -> dict[str, str]:
+    if checkpoint is None:
+        return {}
+    return {"export": f"plait export --checkpoint {checkpoint} --out hf-{checkpoint.name}",
+            "resume": f"the same plait train command with a larger --training.steps resumes from {checkpoint}"}
+
+
+def lines(summary: dict) -> list[str]:
+    """The summary as the console shows it."""
+    if not summary["steps_run"]:
+        return [f"plait: done: nothing to train (the checkpoint is at step {summary['step'] or 0} already)"]
+    val = f" | val_loss {summary['val_loss']:.4f} (step {summary['val_step']})" if summary["val_loss"] is not None else ""
+    data = ", ".join(f"{s['epochs']:.2f} epochs of {s['source']}" for s in summary["sources"])
+    first, last = summary["mean_over_steps"]
+    over = f"step {first}" if first == last else f"steps {first}-{last}"
+    if summary["steps_run"] > 1:
+        over += ", the first step's warm-up left out"
+    mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.2f}%"
+    out = [f"plait: done: step {summary['step']} | loss {summary['loss']:.4f}{val} | {summary['tokens']:,} tokens "
+           f"({data})",
+           f"plait: time: {summary['wall_time_s']:.1f} s in all: start-up {summary['startup_s']:.1f} s, first step "
+           f"{summary['first_step_s']:.1f} s | {summary['tokens_per_sec']:,.0f} tok/s, mfu {mfu} (mean over {over})"]
+    if summary["checkpoint"]:
+        out.append(f"plait: last checkpoint {summary['checkpoint']}: export it with `{summary['next']['export']}`; "
+                   f"{summary['next']['resume']}")
+    else:
+        out.append("plait: no checkpoint saved (checkpoint.folder, checkpoint.interval): the weights of this run are lost")
+    return out
