@@ -17,6 +17,7 @@ from plait.parallel.expert_parallel import check_expert_options
 from plait.parallel.pipeline import check_pipeline
 from plait.precision import resolve
 from plait.optim.schedule import check_schedule
+from plait.wandb_log import check_wandb
 
 
 def check_options(cfg: JobConfig, world: int) -> JobConfig:
@@ -29,6 +30,7 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     check_expert_options(cfg)
     resolve(cfg)
     check_attention(cfg)
+    check_wandb(cfg)
     if cfg.parallelism.pp > 1:
         check_pipeline(cfg)
     return cfg
@@ -103,6 +105,9 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
             f" ({t.micro_batch_size}) x dp degree ({dp})")
     if cfg.metrics.log_interval < 1 or cfg.comm.timeout_seconds < 1:
         raise ConfigError("metrics.log_interval and comm.timeout_seconds: must be >= 1")
+    if cfg.metrics.plot and (not cfg.metrics.jsonl or not cfg.metrics.plot.endswith(".png")):
+        raise ConfigError(f"metrics.plot: {cfg.metrics.plot!r} must be a .png file, drawn from metrics.jsonl "
+                          "(set it too)")
     for name in ("path", "tokenizer", "val_path"):
         value = getattr(cfg.data, name)
         if value and not Path(value).exists():

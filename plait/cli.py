@@ -17,7 +17,7 @@ from typing import Literal
 from plait.arguments import parse, parse_args
 from plait.config import ConfigError
 
-USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,bench,bench-context,compare,trace,plan,doctor} [options]
+USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,bench,bench-context,compare,trace,plan,plot,doctor} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -30,6 +30,7 @@ subcommands:
   compare          train under several layouts from one seed, compare losses (plait compare --help)
   plan             predicted memory, communication and step time of every layout: plait plan --world N --device_memory_gib G
   trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...
+  plot             loss, val_loss, lr, grad_norm, tokens/s of runs in a PNG: plait plot METRICS.jsonl [MORE.jsonl] --out run.png
   doctor           is this machine (cluster) fit to train: hardware, compute, corruption, network, a job, storage
 """
 
@@ -231,6 +232,12 @@ def plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
+def plot(argv: list[str]) -> int:
+    from plait.plot import main as plot_main
+
+    return plot_main(argv)
+
+
 def seed_checkpoint(argv: list[str]) -> int:
     """One process, no process group: the job's model initialised from training.seed, weights only."""
     if "--out" not in argv[:-1]:
@@ -284,7 +291,7 @@ def generate(argv: list[str]) -> int:
 
 COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
             "generate": generate, "bench": bench, "bench-context": bench_context, "compare": compare,
-            "trace": trace, "plan": plan, "doctor": doctor}
+            "trace": trace, "plan": plan, "plot": plot, "doctor": doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

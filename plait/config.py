@@ -195,6 +195,17 @@ class Metrics:
     """write TensorBoard event files to this folder"""
     log_interval: int = 5
     """print a console line every N steps"""
+    plot: str = ""
+    """when the run ends (also by a signal or an error), draw metrics.jsonl's loss, val_loss, lr, grad_norm and
+    tokens/s to this PNG, as `plait plot` does"""
+    wandb_project: str = ""
+    """log to this Weights & Biases project (pip install -e ".[wandb]"): the config, every step's metrics, the
+    end-of-run summary; a run resumed from checkpoint.folder continues its W&B run (id kept in that folder)"""
+    wandb_run_name: str = ""
+    """the W&B run's display name; empty = W&B's own"""
+    wandb_offline: bool = False
+    """write the W&B run to a local folder only (upload it later with `wandb sync`); without it, W&B's own
+    setting decides (WANDB_MODE, `wandb offline`)"""
 
 
 @dataclass

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import traceback
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
+from plait.wandb_log import wandb_sinks
 
 
 class TrainingError(RuntimeError):
@@ -251,7 +253,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
     shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len // cp)
     peak = peak_flops(device, precision.compute, shapes)
     utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size())
-    logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done) \
+    logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done, cfg.metrics.plot,
+                           wandb_sinks(cfg, asdict(args), done)) \
         if rank == 0 else None
     if rank == 0:
         with torch.device("meta"):

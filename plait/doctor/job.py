@@ -44,7 +44,8 @@ def job_config(cfg: JobConfig, world: int) -> JobConfig:
     """The user's job as the doctor runs it: its own checkpoint folder is the storage check's,
     never the job's (which would resume from it, or write there); no files of its own."""
     job = copy.deepcopy(cfg)
-    job.checkpoint.folder, job.metrics.jsonl, job.metrics.tensorboard = "", "", ""
+    job.checkpoint.folder, job.metrics.jsonl, job.metrics.tensorboard, job.metrics.plot = "", "", "", ""
+    job.metrics.wandb_project, job.metrics.wandb_run_name, job.metrics.wandb_offline = "", "", False
     job.profiling.enable, job.debug.dtype_probe = False, ""
     return check_options(job, world)
 

@@ -1,0 +1,94 @@
+"""`plait plot`: a run's curves from its metrics.jsonl in a PNG, without any service; several
+runs overlaid, each in one colour. Also drawn at the end of a run (metrics.plot)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+from plait.arguments import parse
+from plait.config import ConfigError
+
+# (panel title, y label, keys drawn in it): val_loss shares loss's panel, as points where it was measured
+PANELS = [("loss", "loss", ("loss", "val_loss")), ("learning rate", "lr", ("lr",)),
+          ("gradient norm (before clipping)", "grad_norm", ("grad_norm",)),
+          ("throughput", "tokens/s", ("tokens_per_sec",))]
+
+
+@dataclass
+class PlotArgs:
+    """Draw loss, val_loss, lr, grad_norm and tokens/s against step from metrics.jsonl files (one run each)."""
+
+    files: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="METRICS.jsonl [MORE.jsonl ...]")]
+    """the metrics.jsonl of each run to draw; several are overlaid, one colour each"""
+    out: Annotated[str, tyro.conf.arg(metavar="PNG")] = ""
+    """the PNG to write; default: the first file's name with .png"""
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise ConfigError(f"files: {path} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ConfigError(f"files: {path} line {number} is not JSON: is it a metrics.jsonl?") from None
+    return rows
+
+
+def labels(paths: list[Path]) -> list[str]:
+    """Each run's name in the legend: its file's stem, or its path where two stems are the same."""
+    stems = [p.stem for p in paths]
+    return stems if len(set(stems)) == len(stems) else [str(p) for p in paths]
+
+
+def plot_runs(paths: list[Path], out: Path) -> list[list[dict]]:
+    """Draw the runs of `paths` into `out`; returns their rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: training machines have no display
+    import matplotlib.pyplot as plt
+
+    runs = [read_rows(p) for p in paths]
+    fig, axes = plt.subplots(2, 2, sharex=True, figsize=(11, 7))
+    for (title, ylabel, keys), ax in zip(PANELS, axes.flat):
+        for i, (label, rows) in enumerate(zip(labels(paths), runs)):
+            for key in keys:
+                points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+                if points:
+                    style = {"marker": "o", "linestyle": "--"} if key == "val_loss" else {}
+                    ax.plot(*zip(*points), color=f"C{i % 10}", label=f"{label} {key}" if len(keys) > 1 else label,
+                            **style)
+        ax.set(title=title, ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize="small")
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    opts = parse(PlotArgs, argv, "plait plot")
+    if not opts.files:
+        raise ConfigError("files: give one metrics.jsonl or more: plait plot METRICS.jsonl [MORE.jsonl ...] "
+                          "--out run.png")
+    paths = [Path(f) for f in opts.files]
+    out = Path(opts.out) if opts.out else paths[0].with_suffix(".png")
+    if out.suffix != ".png":
+        raise ConfigError(f"out: {out} is not a .png file")
+    steps = [row["step"] for rows in plot_runs(paths, out) for row in rows]
+    span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps yet"
+    print(f"plait plot: wrote {out}: {len(paths)} run{'s' if len(paths) > 1 else ''}, {span}")
+    return 0
