@@ -119,6 +119,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if t.eval_interval < 0 or t.eval_steps < 1:
         raise ConfigError(f"training.eval_interval must be >= 0 and eval_steps >= 1, got {t.eval_interval}, "
                           f"{t.eval_steps}")
+    if t.eval_interval == 0 and cfg.data.val_path:  # auto: about ten evaluations (and the last step's)
+        t.eval_interval = math.ceil(t.steps / 10)
     if t.eval_interval and not cfg.data.val_path:
         raise ConfigError("training.eval_interval: set data.val_path too (what should the validation loss be measured on?)")
     c = cfg.checkpoint

@@ -104,7 +104,8 @@ class Training:
     """mixtures of experts with a sigmoid router: after each step every router bias moves by this towards
     balance (up for experts under the mean load, down above it; DeepSeek-V3's auxiliary-loss-free balancing)"""
     eval_interval: int = 0
-    """measure the validation loss (data.val_path) every N steps and at the last step; 0 = never"""
+    """measure the validation loss (data.val_path) every N steps and at the last step; 0 = auto: every
+    ceil(steps / 10) steps with a data.val_path (about ten evaluations), never without one"""
     eval_steps: int = 4
     """validation batches of global_batch_size sequences per evaluation: the same sequences every time"""
 
@@ -192,9 +193,11 @@ class Metrics:
     """rank 0 writes one JSON object per optimizer step to this file (a resumed run keeps the rows up to its
     checkpoint and replaces the rest; a new run starts the file afresh)"""
     tensorboard: str = ""
-    """write TensorBoard event files to this folder"""
+    """write TensorBoard event files to this folder (a resumed run drops the events after its checkpoint from the
+    files, a new run all of them, so each step is there once)"""
     log_interval: int = 5
-    """print a console line every N steps"""
+    """print a console line every N steps (and the first, the last, and every evaluation), with the mean tokens/s
+    and MFU since the line before and an ETA; the run ends with a summary (metrics.jsonl's <name>.summary.json)"""
     plot: str = ""
     """when the run ends (also by a signal or an error), draw metrics.jsonl's loss, val_loss, lr, grad_norm and
     tokens/s to this PNG, as `plait plot` does"""

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from plait import run_summary
 from plait.hardware import Peak
+from plait.tensorboard_events import drop_events_after
 
 
 class Utilisation:
@@ -62,14 +63,17 @@ def state_memory_gib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 class MetricsLogger:
-    """Rank 0's sinks: a console line every `log_interval` steps, JSONL and TensorBoard every step.
+    """Rank 0's sinks: a console line every `log_interval` steps (and at the first, the last and
+    every evaluation), JSONL and TensorBoard every step. A line's tok/s and MFU are the means
+    since the line before (one step's figure swings with what else the machine does), its ETA
+    the remaining steps at that pace.
 
-    A resumed run first drops the JSONL rows after the step it resumed from (the steps a crash
-    lost, which it trains again), so the file keeps exactly one row per step.
+    A resumed run first drops the JSONL rows and TensorBoard events after the step it resumed
+    from (the steps a crash lost, which it trains again), so each step is there exactly once.
     """
 
     def __init__(self, jsonl: str, tensorboard: str, log_interval: int, resumed_step: int = 0, plot: str = "",
-                 sinks: list = ()):
+                 sinks: list = (), steps: int = 0):
         self.log_interval, self.plot = log_interval, plot
         self.sinks = list(sinks)  # more places rows go (plait.wandb_log.WandbRun): log, finish, close
         self.jsonl = None
@@ -86,16 +90,28 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: TensorBoard hides events a restarted run logged after this step
-            self.writer = SummaryWriter(tensorboard, purge_step=resumed_step + 1 if resumed_step else None)
+            drop_events_after(tensorboard, resumed_step)
+            # purge_step: a TensorBoard already showing the folder forgets the steps dropped from it
+            self.writer = SummaryWriter(tensorboard, purge_step=resumed_step + 1)
+        self.steps = steps  # the run's last step: always printed, and what the ETA counts down to
+        self.since_line = []  # (step_time, mfu) of the steps since the last printed line
 
     def log(self, row: dict) -> None:
         step = row["step"]
-        if step % self.log_interval == 0 or step == 1 or "val_loss" in row:
-            mfu = "  n/a " if row["mfu"] is None else f"{100 * row['mfu']:5.2f}%"
+        self.since_line.append((row["step_time"], row["mfu"]))
+        if step % self.log_interval == 0 or step in (1, self.steps) or "val_loss" in row:
+            seconds = sum(t for t, _ in self.since_line)
+            tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # the same every step
+            tokens_per_sec = tokens_per_step * len(self.since_line) / seconds
+            # MFU is proportional to tokens/s: its time-weighted mean is the mean speed's
+            mfus = [m for _, m in self.since_line]
+            mfu = "  n/a " if None in mfus else f"{100 * sum(m * t for t, m in self.since_line) / seconds:5.2f}%"
+            eta = round(max(0, self.steps - step) * seconds / len(self.since_line))
+            self.since_line = []
             val = f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
             print(f"step {step:5d} | loss {row['loss']:.4f}{val} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e}"
-                  f" | {row['tokens_per_sec']:8.0f} tok/s | mfu {mfu} | mem {row['memory_gib']:.2f} GiB", flush=True)
+                  f" | {tokens_per_sec:8.0f} tok/s | mfu {mfu} | mem {row['memory_gib']:.2f} GiB"
+                  + (f" | eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}" if self.steps else ""), flush=True)
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
@@ -117,7 +133,7 @@ class MetricsLogger:
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text(json.dumps(summary, indent=1) + "\n")
             os.replace(tmp, path)
-        if self.writer and summary["step"] is not None:
+        if self.writer:
             self.writer.add_text("summary", "\n\n".join(run_summary.lines(summary)), summary["step"])
         for sink in self.sinks:
             sink.finish(summary)

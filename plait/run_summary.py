@@ -8,25 +8,38 @@ selection, allocator growth, compilation) and would dominate a short run's mean.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
-def build(rows: list[dict], *, tokens_per_step: int, sources: list[tuple[str, int, int]], startup_s: float,
-          wall_s: float, checkpoint: Path | None) -> dict:
-    """`rows`: this run's per-step rows (after a resume, its steps only); `sources`: (label,
-    sequences used since step 1, sequences in one epoch) per data source; `startup_s`: from the
-    start of the run to its first step; `checkpoint`: the newest complete one, or None."""
+def process_age() -> float:
+    """Seconds since this process started, so that start-up counts the interpreter's and torch's
+    imports too; 0 where /proc does not say (then start-up counts from plait.train.run)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22
+            return max(0.0, float(uptime.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint: Path | None) -> dict:
+    """`rows`: this run's per-step rows (after a resume, its steps only); `loader`: the run's
+    BatchLoader (its sources, and the sequences each gave since step 1, resumed runs included);
+    `startup_s`: from the start of the run to its first step; `checkpoint`: the newest complete
+    one, or None."""
     last = rows[-1] if rows else {}
+    tokens_per_step = loader.global_batch_size * loader.seq_len
     timed = rows[1:] or rows  # the first step's warm-up left out, unless it is the only one
     seconds = sum(row["step_time"] for row in timed)
     mfus = [row["mfu"] for row in timed]
     val = [row for row in rows if "val_loss" in row]
     summary = {
-        "step": last.get("step"), "steps_run": len(rows), "loss": last.get("loss"),
+        "step": loader.step, "steps_run": len(rows), "loss": last.get("loss"),
         "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
-        "tokens": last.get("step", 0) * tokens_per_step,
-        "sources": [{"source": label, "sequences": used, "epochs": used / per_epoch}
-                    for label, used, per_epoch in sources],
+        "tokens": loader.step * tokens_per_step,
+        "sources": [{"source": source.label, "sequences": used, "epochs": used / per_epoch}
+                    for source, used, per_epoch in zip(loader.sources, loader.used, loader.num_sequences)],
         "wall_time_s": wall_s, "startup_s": startup_s, "first_step_s": rows[0]["step_time"] if rows else None,
         # MFU is proportional to tokens/s, so its time-weighted mean is the MFU of the mean speed
         "tokens_per_sec": len(timed) * tokens_per_step / seconds if timed else None,
@@ -48,22 +61,23 @@ def next_commands(checkpoint: Path | None) -> dict[str, str]:
 
 def lines(summary: dict) -> list[str]:
     """The summary as the console shows it."""
-    if not summary["steps_run"]:
-        return [f"plait: done: nothing to train (the checkpoint is at step {summary['step'] or 0} already)"]
-    val = f" | val_loss {summary['val_loss']:.4f} (step {summary['val_step']})" if summary["val_loss"] is not None else ""
-    data = ", ".join(f"{s['epochs']:.2f} epochs of {s['source']}" for s in summary["sources"])
-    first, last = summary["mean_over_steps"]
-    over = f"step {first}" if first == last else f"steps {first}-{last}"
-    if summary["steps_run"] > 1:
-        over += ", the first step's warm-up left out"
-    mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.2f}%"
-    out = [f"plait: done: step {summary['step']} | loss {summary['loss']:.4f}{val} | {summary['tokens']:,} tokens "
-           f"({data})",
-           f"plait: time: {summary['wall_time_s']:.1f} s in all: start-up {summary['startup_s']:.1f} s, first step "
-           f"{summary['first_step_s']:.1f} s | {summary['tokens_per_sec']:,.0f} tok/s, mfu {mfu} (mean over {over})"]
+    if summary["steps_run"]:
+        val = f" | val_loss {summary['val_loss']:.4f} (step {summary['val_step']})" if summary["val_step"] else ""
+        data = ", ".join(f"{s['epochs']:.2f} epochs of {s['source']}" for s in summary["sources"])
+        first, last = summary["mean_over_steps"]
+        over = f"step {first}" if first == last else f"steps {first}-{last}"
+        if summary["steps_run"] > 1:
+            over += ", the first step's warm-up left out"
+        mfu = "n/a" if summary["mfu"] is None else f"{100 * summary['mfu']:.2f}%"
+        out = [f"plait: done: step {summary['step']} | loss {summary['loss']:.4f}{val} | {summary['tokens']:,} tokens "
+               f"({data})",
+               f"plait: time: {summary['wall_time_s']:.1f} s in all: start-up {summary['startup_s']:.1f} s, first step "
+               f"{summary['first_step_s']:.1f} s | {summary['tokens_per_sec']:,.0f} tok/s, mfu {mfu} (mean over {over})"]
+    else:
+        out = [f"plait: done: nothing to train, the checkpoint is at step {summary['step']} already"]
     if summary["checkpoint"]:
         out.append(f"plait: last checkpoint {summary['checkpoint']}: export it with `{summary['next']['export']}`; "
                    f"{summary['next']['resume']}")
     else:
-        out.append("plait: no checkpoint saved (checkpoint.folder, checkpoint.interval): the weights of this run are lost")
+        out.append("plait: no checkpoint saved: the weights of this run are lost (checkpoint.folder keeps them)")
     return out

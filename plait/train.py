@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plait import float8, hf, host_memory, parallel
+from plait import float8, hf, host_memory, parallel, run_summary
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import check_compatible, check_optimizer_kept, check_owner, job_identity, latest_complete
 from plait.checks import check_options
@@ -179,14 +179,18 @@ def check_data_sizes(cfg: JobConfig, corpus) -> None:
     t = cfg.training
     BatchLoader(corpus.sources, corpus.weights, t.seq_len, t.global_batch_size, t.micro_batch_size, 0, dp_degree(cfg),
                 t.seed)
-    if t.eval_interval and (len(corpus.val) - 1) // t.seq_len < t.eval_steps * t.global_batch_size:
-        raise ConfigError(f"data.val_path: {corpus.val.label} has {(len(corpus.val) - 1) // t.seq_len} sequences of "
-                          f"training.seq_len={t.seq_len}, fewer than training.eval_steps x global_batch_size = "
-                          f"{t.eval_steps * t.global_batch_size}")
+    if t.eval_interval and (sequences := (len(corpus.val) - 1) // t.seq_len) < t.eval_steps * t.global_batch_size:
+        fits = sequences // t.global_batch_size
+        raise ConfigError(f"data.val_path: {corpus.val.label} has {sequences} sequences of training.seq_len={t.seq_len}, "
+                          f"fewer than training.eval_steps x global_batch_size = {t.eval_steps} x {t.global_batch_size} = "
+                          f"{t.eval_steps * t.global_batch_size}: " + (f"--training.eval_steps {fits} fits" if fits else
+                          "not even one global batch: more validation text, or a smaller training.global_batch_size or "
+                          "seq_len"))
 
 
 def run(cfg: JobConfig) -> list[dict]:
     """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
+    started = time.perf_counter() - run_summary.process_age()
     check_options(cfg, world_size())
     set_threads(cfg)
     if cfg.debug.deterministic:
@@ -213,7 +217,7 @@ def run(cfg: JobConfig) -> list[dict]:
         init_distributed(cfg, device)
     peers_answer = True
     try:
-        return _train(cfg, args, corpus, identity, device)
+        return _train(cfg, args, corpus, identity, device, started)
     except CollectiveTimeout:
         peers_answer = False
         raise
@@ -226,7 +230,7 @@ def run(cfg: JobConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -> list[dict]:
+def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, started: float) -> list[dict]:
     t = cfg.training
     rank = dist.get_rank()
     mesh, dp_mesh, loss_mesh = parallel.build_mesh(cfg, device.type)
@@ -254,7 +258,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
     peak = peak_flops(device, precision.compute, shapes)
     utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size())
     logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done, cfg.metrics.plot,
-                           wandb_sinks(cfg, asdict(args), done)) \
+                           wandb_sinks(cfg, asdict(args), done), steps=t.steps) \
         if rank == 0 else None
     if rank == 0:
         with torch.device("meta"):
@@ -285,6 +289,10 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     preemption = Preemption(device)
+    startup_s, finished = time.perf_counter() - started, False
+    if rank == 0:
+        print(f"plait: start-up {startup_s:.1f} s (imports, data, model{', checkpoint' * bool(done)}): "
+              f"{t.steps - done} of {t.steps} steps to go", flush=True)
     try:
         for step in range(done + 1, t.steps + 1):
             start = time.perf_counter()
@@ -338,6 +346,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
                 raise Preempted(f"{name} after step {step}: " + (
                     f"saved {folder}; run the same command again to resume from it" if folder else
                     "nothing saved (no checkpoint.folder): the steps of this run are lost"), signum)
+        finished = True
     except RuntimeError as e:  # gloo and NCCL raise their timeouts as RuntimeError (DistBackendError)
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
@@ -350,5 +359,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device) -
         preemption.close()
         checkpointer.close()
         if logger:
+            if finished:  # after the last save completed: the summary names it
+                logger.finish(run_summary.build(rows, loader, startup_s, time.perf_counter() - started,
+                                                latest_complete(cfg.checkpoint.folder)))
             logger.close()
     return rows

@@ -1,6 +1,8 @@
 """End-to-end behaviour of `plait train`: metrics, reproducibility, and failing loudly."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,8 +29,55 @@ def test_metrics_rows_tensorboard_and_reproducibility(tmp_path):
     assert last3 < first3 - 0.15, "the loss must fall"
     warmup_lrs = [row["lr"] for row in first[:2]]
     assert warmup_lrs[0] < warmup_lrs[1]  # linear warmup
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert "single device" in proc.stdout and "step     1" in proc.stdout
+    check_progress_and_summary(tmp_path, first, proc)
+    # The second run started afresh in the same TensorBoard folder: each step is there once.
+    assert tensorboard_steps(tmp_path / "tb") == list(range(1, 13))
+
+
+def tensorboard_steps(folder) -> list[int]:
+    """The steps of the loss in `folder`'s event files, as the files hold them and as TensorBoard
+    reads them (it hides the events a restarted run's purge_step covers): they must agree."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    in_files = [event.step for path in sorted(folder.glob("events.out.tfevents.*"))
+                for event in EventFileLoader(str(path)).Load()
+                if event.HasField("summary") and event.summary.value[0].tag == "loss"]
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Scalars("loss")] == in_files
+    return in_files
+
+
+def check_progress_and_summary(tmp_path, rows: list[dict], proc) -> None:
+    """Of a 12-step run with log_interval 5: every printed line has an ETA and the mean speed since
+    the line before; the last step is always printed; the run ends with a summary, printed and in
+    <metrics>.summary.json."""
+    assert re.search(r"^plait: start-up \d+\.\d s ", proc.stdout, re.M), proc.stdout
+    lines = {int(m[1]): m[0] for m in re.finditer(r"^step +(\d+) \|.*$", proc.stdout, re.M)}
+    assert list(lines) == [1, 5, 10, 12], proc.stdout
+    tokens_per_step = 4 * 64
+    for first, last in ((1, 1), (2, 5), (6, 10), (11, 12)):
+        shown = float(re.search(r"\| +(\d+) tok/s", lines[last])[1])
+        mean = (last - first + 1) * tokens_per_step / sum(row["step_time"] for row in rows[first - 1:last])
+        assert abs(shown - mean) <= 0.5 + 1e-6 * mean, (last, shown, mean)
+        assert re.search(r"\| eta \d+:\d\d:\d\d$", lines[last]), lines[last]
+    assert lines[12].endswith("eta 0:00:00")
+
+    summary = json.loads((tmp_path / "metrics-0.summary.json").read_text())
+    sequences = int(re.search(r"\| (\d+) sequences of 64 tokens", proc.stdout)[1])
+    assert summary["step"] == 12 and summary["steps_run"] == 12 and summary["loss"] == rows[-1]["loss"]
+    assert summary["tokens"] == 12 * tokens_per_step and summary["val_loss"] is None and summary["checkpoint"] is None
+    assert summary["sources"] == [{"source": "the bundled corpus", "sequences": 48, "epochs": 48 / sequences}]
+    assert summary["mean_over_steps"] == [2, 12]  # the first step's warm-up left out
+    assert summary["tokens_per_sec"] == pytest.approx(11 * tokens_per_step / sum(r["step_time"] for r in rows[1:]))
+    assert summary["first_step_s"] == rows[0]["step_time"] and 0 < summary["startup_s"] < summary["wall_time_s"]
+    assert f"plait: done: step 12 | loss {rows[-1]['loss']:.4f} | 3,072 tokens ({48 / sequences:.2f} epochs of " \
+           "the bundled corpus)" in proc.stdout
+    assert re.search(r"^plait: time: .* \| [\d,]+ tok/s, mfu [\d.]+% \(mean over steps 2-12, the first step's "
+                     r"warm-up left out\)$", proc.stdout, re.M), proc.stdout
+    assert "plait: no checkpoint saved" in proc.stdout
 
 
 def test_nan_loss_stops_with_the_step_and_no_update(tmp_path):

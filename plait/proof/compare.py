@@ -205,7 +205,7 @@ def read_golden(path: str, shared: dict, steps: int) -> dict:
 
 def train(run: Run, seed: Path, metrics: Path) -> dict[str, list[float]]:
     """One `plait train` process (torchrun for world > 1) -> its per-step losses and grad norms, and
-    its validation losses (at the evaluation steps; none without training.eval_interval)."""
+    its validation losses (at the evaluation steps; none without data.val_path)."""
     metrics.unlink(missing_ok=True)  # the logger appends: a rerun must not add to an old file
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.world}"] \
         if run.world > 1 else [sys.executable]
