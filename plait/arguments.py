@@ -83,4 +83,27 @@ def parse_args(argv: list[str], prog: str = "plait train", cls=JobConfig, defaul
         name = arg.split("=", 1)[1] if arg.startswith("--config=") else (argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
         if name is not None:
             config_args = toml_to_args(resolve_config_path(name))
-    return parse(cls, [*defaults, *config_args, *argv], prog)
+    cfg = parse(cls, [*defaults, *config_args, *argv], prog)
+    cfg._given = named_options(cls, [*config_args, *argv])  # (see given_options)
+    return cfg
+
+
+def named_options(cls, argv: list[str]) -> frozenset[str]:
+    """The `section.key` of every option in `argv` (`--section.no_key` names section.key)."""
+    known = {name[2:] for name in flags(cls)}
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            section, _, key = name.rpartition(".")
+            if name not in known and key.startswith("no_"):
+                name = f"{section}.{key[3:]}".lstrip(".")
+            names.add(name)
+    return frozenset(names)
+
+
+def given_options(cfg) -> frozenset[str]:
+    """The options (`section.key`) a command line or its --config file set, as parse_args
+    recorded them; every other option is at its default, or at a command's own (plait doctor's),
+    which are not the user's choice either. A config built in code has none."""
+    return getattr(cfg, "_given", frozenset())

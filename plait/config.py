@@ -222,7 +222,8 @@ class Checkpoint:
     folder: str = ""
     """save training checkpoints here (step-N folders) and resume from the newest complete one"""
     interval: int = 0
-    """save every N steps and at the last step; 0 = never save"""
+    """save every N steps and at the last step; 0 = at the last step only (a signal that stops the run saves its
+    step either way)"""
     keep_latest_k: int = 0
     """keep only the newest K complete checkpoints; 0 = keep all"""
     async_mode: Literal["disabled", "async"] = "disabled"

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from plait import hf
 from plait.arguments import parse
-from plait.checkpoint.manifest import check_compatible, read_manifest
+from plait.checkpoint.manifest import check_compatible, checkpoint_in, read_manifest
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
 from plait.data import eos_id
@@ -57,6 +57,7 @@ def load(folder: Path) -> tuple[Transformer, Tokenizer]:
     """The model and tokenizer of a plait checkpoint or a Hugging Face folder, on the CPU."""
     if not folder.is_dir():
         raise ConfigError(f"checkpoint: {str(folder)!r} is not a folder")
+    folder = checkpoint_in(folder, "checkpoint")
     if hf.is_hf_folder(folder):
         args = hf.model_args(folder, "checkpoint")
         weights = hf.HFWeights(folder, args, "checkpoint")

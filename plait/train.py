@@ -22,12 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from plait import float8, hf, host_memory, parallel, run_summary
 from plait.checkpoint.checkpointer import Checkpointer
-from plait.checkpoint.manifest import check_compatible, check_optimizer_kept, check_owner, job_identity, latest_complete
+from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, checkpoint_in,
+                                      job_identity, latest_complete)
 from plait.checks import check_options
-from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, world_size
+from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.expert_load import ExpertLoad
 from plait.hardware import linear_shapes, peak_flops, pick_device
+from plait.hyperparameters import hf_start_lines
 from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
 from plait.models.masking import attention_kernel
 from plait.models.transformer import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, num_params
@@ -153,14 +155,16 @@ def save_probe(probe: DtypeProbe, path: str, every_rank: bool) -> None:
 
 def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
     """What start-up would load must fit this model, and the folder it saves to must be this
-    job's: checked before any process group."""
+    job's: checked before any process group. A job folder given as checkpoint.load becomes its
+    newest complete checkpoint."""
     check_owner(cfg.checkpoint.folder, identity)
     resume = latest_complete(cfg.checkpoint.folder)
     if resume is not None:
         check_compatible(resume, args, "checkpoint.folder")
         check_optimizer_kept(resume, cfg)
     elif cfg.checkpoint.load:
-        folder = Path(cfg.checkpoint.load)
+        folder = checkpoint_in(Path(cfg.checkpoint.load), "checkpoint.load")
+        cfg.checkpoint.load = str(folder)  # a job folder's newest checkpoint: what the Checkpointer loads
         if hf.is_hf_folder(folder):
             hf.check(folder, args, "checkpoint.load")
         else:
@@ -196,7 +200,7 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    corpus = open_data(cfg.data)
+    corpus = open_data(cfg.data, hf_folder(cfg))
     try:
         args = hf.job_model(cfg, corpus.tokenizer.get_vocab_size())
     except ValueError as e:
@@ -270,6 +274,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
               f"vocab {args.vocab_size} | {'+'.join(map(str, loader.num_sequences))} sequences of {t.seq_len} tokens | "
               f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
               f"{peak}\nplait: {precision.describe()}" + (f"\nplait: {pipeline.summary}" if pipeline else ""), flush=True)
+        for line in hf_start_lines(cfg):
+            print(line, flush=True)
         if precision.emulated:
             fp32_peak = peak_flops(device, torch.float32, shapes).flops
             print(f"plait: warning: bfloat16 was asked for, but this device has no bf16 matmul units: the model's "

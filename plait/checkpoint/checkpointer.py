@@ -90,7 +90,7 @@ class SaveFailed(RuntimeError):
 
 
 class Checkpointer:
-    """Saves every `checkpoint.interval` steps and restores at start-up (see `restore`)."""
+    """Saves every `checkpoint.interval` steps and at the last, and restores at start-up (see `restore`)."""
 
     def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader, identity: dict,
                  tokenizer: Tokenizer):
@@ -196,9 +196,11 @@ class Checkpointer:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
 
     def maybe_save(self, step: int) -> None:
+        """Save every checkpoint.interval steps and at the last step; interval 0 saves the last
+        step only (a checkpoint.folder given is a request for the trained model)."""
         self._finish_pending(block=False)
         interval = self.cfg.checkpoint.interval
-        if self.root is None or not interval or (step % interval and step != self.cfg.training.steps):
+        if self.root is None or (step != self.cfg.training.steps and (not interval or step % interval)):
             return
         self._save(step, asynchronous=self.stager is not None)
 

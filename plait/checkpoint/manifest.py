@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
@@ -66,6 +67,29 @@ def latest_complete(root: str) -> Path | None:
         if read_manifest(folder) is not None:
             return folder
     return None
+
+
+def checkpoint_in(folder: Path, option: str) -> Path:
+    """`folder` where a checkpoint is expected. A job folder (a checkpoint.folder: plait-job.json or
+    step-N folders, no manifest of its own) means its newest complete checkpoint, said in one line
+    (by rank 0); one that holds none is refused, listing what it holds. Any other folder is itself."""
+    if not folder.is_dir() or (folder / MANIFEST).exists() or (folder / "config.json").exists():
+        return folder
+    entries = list(folder.iterdir())
+    steps = {p: int(m.group(1)) for p in entries if (m := STEP_FOLDER.match(p.name)) and p.is_dir()}
+    if not steps and not (folder / OWNER).is_file():
+        return folder
+    newest = latest_complete(str(folder))
+    if newest is None:
+        held = [f"{p.name} (unfinished: no {MANIFEST})" if p in steps else p.name
+                for p in sorted(entries, key=lambda p: (p in steps, steps.get(p, 0), p.name))]
+        raise ConfigError(f"{option}: {folder} is a job folder without a complete checkpoint: it holds "
+                          f"{', '.join(held)}; a run saves one at its last step, every checkpoint.interval steps, "
+                          "and when a signal stops it")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"plait: {folder} is a job folder: using its newest complete checkpoint {newest}", file=sys.stderr,
+              flush=True)
+    return newest
 
 
 def resumable_options(cfg: JobConfig) -> dict:

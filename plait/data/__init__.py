@@ -10,6 +10,7 @@ large corpora are tokenized once with `plait tokenize` and trained from the fold
 from __future__ import annotations
 
 import hashlib
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,26 +72,26 @@ def vocab_size(cfg: Data) -> int:
     return given.get_vocab_size() if given is not None else cfg.vocab_size
 
 
-def open_data(cfg: Data) -> Corpus:
-    """The run's tokenizer and token streams; checked, and built where needed, before any process group."""
+def open_data(cfg: Data, hf_start: Path | None = None) -> Corpus:
+    """The run's tokenizer and token streams; checked, and built where needed, before any process
+    group. `hf_start`: the Hugging Face folder the run starts from (checkpoint.load), whose own
+    tokenizer.json data.tokenizer then is unless the user gave one (the messages say which)."""
     paths = _train_paths(cfg)
     texts = None if cfg.tokenizer or cfg.mix or is_tokenized(cfg.path) else load_texts(cfg.path, cfg.text_field)
     tokenizer = build_tokenizer(cfg, texts)
     option = "data.mix" if cfg.mix else "data.path"
-    sources = [open_source(path, cfg, tokenizer, option, texts) for path, _ in paths]
-    val = open_source(cfg.val_path, cfg, tokenizer, "data.val_path") if cfg.val_path else None
+    sources = [open_source(path, cfg, tokenizer, option, texts, hf_start) for path, _ in paths]
+    val = open_source(cfg.val_path, cfg, tokenizer, "data.val_path", hf_start=hf_start) if cfg.val_path else None
     return Corpus(tokenizer, sources, [w for _, w in paths], val)
 
 
-def open_source(path: str, cfg: Data, tokenizer: Tokenizer, option: str, texts: list[str] | None = None):
+def open_source(path: str, cfg: Data, tokenizer: Tokenizer, option: str, texts: list[str] | None = None,
+                hf_start: Path | None = None):
     """A tokenized folder as it is, or a raw-text path through the cache."""
     if is_tokenized(path):
         folder = TokenizedFolder(path, option)
         if folder.tokenizer_sha256 != sha256(tokenizer):
-            asked = f"data.tokenizer {cfg.tokenizer!r}" if cfg.tokenizer else "the run's tokenizer"
-            raise ConfigError(f"{option}: {path} was tokenized with another tokenizer than {asked} (sha256 "
-                              f"{folder.tokenizer_sha256[:12]} vs {sha256(tokenizer)[:12]}); tokenize it again with "
-                              "that tokenizer, or train with the folder's own (drop data.tokenizer)")
+            raise ConfigError(_other_tokenizer(path, folder, cfg, sha256(tokenizer), option, hf_start))
         return folder
     if texts is None:
         try:
@@ -104,3 +105,31 @@ def open_source(path: str, cfg: Data, tokenizer: Tokenizer, option: str, texts: 
         if not (folder / MANIFEST).exists():
             write_folder(((text, len(text)) for text in texts), tokenizer, folder, path or "(bundled corpus)")
     return TokenizedFolder(folder, option, label=path or "the bundled corpus")
+
+
+def _other_tokenizer(path: str, folder: TokenizedFolder, cfg: Data, run_sha256: str, option: str,
+                     hf_start: Path | None) -> str:
+    """Why `folder` does not fit the run's tokenizer, and the exact command that tokenizes its
+    text with that tokenizer. Dropping data.tokenizer is offered only where the user gave one and
+    the run would then take this folder's own (no Hugging Face folder's instead)."""
+    if hf_start is not None and cfg.tokenizer == str(hf_start / TOKENIZER):
+        tokenizer_file = cfg.tokenizer
+        asked = f"{cfg.tokenizer} (checkpoint.load's own: the model's embeddings are that tokenizer's)"
+    elif cfg.tokenizer:
+        tokenizer_file, asked = cfg.tokenizer, f"data.tokenizer {cfg.tokenizer!r}"
+    else:  # the first tokenized training folder's own, else a BPE trained on data.path (in the cache)
+        first = next((p for p, _ in _train_paths(cfg) if is_tokenized(p)), None)
+        tokenizer_file, asked = (str(Path(first) / TOKENIZER) if first else ""), "the run's tokenizer"
+    message = (f"{option}: {path} was tokenized with another tokenizer than {asked} (sha256 "
+               f"{folder.tokenizer_sha256[:12]} vs {run_sha256[:12]}); ")
+    if tokenizer_file:
+        raw = folder.manifest.get("source", "")  # the text the folder was made from, as tokenize was given it
+        out = f"{Path(path)}-{Path(tokenizer_file).parent.name or 'retokenized'}"
+        command = ["plait", "tokenize", *(["--data.path", raw] if raw != "(bundled corpus)" else []), "--out", out,
+                   "--data.tokenizer", tokenizer_file]
+        message += f"tokenize its text with that one: {shlex.join(command)}, and train from {out}"
+    else:
+        message += f"give {option} as raw text instead: it is tokenized with the run's tokenizer at start-up"
+    if cfg.tokenizer and hf_start is None and option == "data.path":
+        message += "; or train with the folder's own tokenizer (drop data.tokenizer)"
+    return message

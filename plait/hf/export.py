@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from plait.checkpoint.manifest import check_compatible, read_manifest
+from plait.checkpoint.manifest import check_compatible, checkpoint_in, read_manifest
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
 from plait.hf import tokenizer as hf_tokenizer
@@ -19,7 +19,9 @@ from plait.models.flavors import ModelArgs
 
 
 def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
-    """Write `out` from the checkpoint `folder`; returns what was written, for the one line."""
+    """Write `out` from the checkpoint `folder` (a job folder: its newest); returns what was written,
+    for the one line."""
+    folder = checkpoint_in(folder, "checkpoint")
     manifest = read_manifest(folder)
     if manifest is None:
         raise ConfigError(f"checkpoint: {folder} is not a complete plait checkpoint")

@@ -1,0 +1,40 @@
+"""What a run from a Hugging Face folder trains with, said at start-up.
+
+plait's defaults are the debug job's (a 1.4M-parameter model on the bundled corpus: lr 2e-3, 10
+warmup steps, 60 steps of 16 sequences of 128 tokens): right for trying plait, rarely for a real
+model, which they would train on without a word. A run that starts from a Hugging Face folder says
+the hyper-parameters it uses and, in one line, which of them the user left at those defaults.
+"""
+
+from __future__ import annotations
+
+from plait.arguments import given_options
+from plait.config import JobConfig, hf_folder
+
+# The options whose defaults were picked for the debug job; the others' (the schedule's shape,
+# weight decay, clipping, AdamW's betas) are the usual ones at any size.
+DEBUG_CHOICES = ("lr", "warmup_steps", "steps", "seq_len", "global_batch_size")
+
+
+def describe(cfg: JobConfig) -> str:
+    t = cfg.training
+    schedule = {"cosine": f"cosine to {t.min_lr_ratio:g}x", "constant": "constant",
+                "wsd": f"constant, then a {t.decay_shape} decay over the last {t.decay_fraction:g} of the steps to "
+                       f"{t.min_lr_ratio:g}x"}[t.lr_schedule]
+    return (f"plait: hyper-parameters: {cfg.optimizer.name} lr {t.lr:g} ({t.warmup_steps} warmup steps, then "
+            f"{schedule}), {t.steps} steps, global batch {t.global_batch_size} sequences (micro {t.micro_batch_size}) "
+            f"of seq_len {t.seq_len}, weight_decay {t.weight_decay:g}, max_norm {t.max_norm:g}")
+
+
+def hf_start_lines(cfg: JobConfig) -> list[str]:
+    """For a run from a Hugging Face folder: its hyper-parameters, and a warning naming those the
+    user did not set (given_options); nothing for any other run."""
+    if hf_folder(cfg) is None:
+        return []
+    given = given_options(cfg)
+    left = [f"training.{name} {getattr(cfg.training, name):g}" for name in DEBUG_CHOICES
+            if f"training.{name}" not in given]
+    warning = (f"plait: warning: left at the debug job's defaults (picked for a 1.4M-parameter model on the bundled "
+               f"corpus, not for {cfg.checkpoint.load}): {', '.join(left)}; set them for this model "
+               "(plait train --help)")
+    return [describe(cfg), *([warning] if left else [])]

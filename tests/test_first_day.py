@@ -1,0 +1,164 @@
+"""A user's first day, as the README tells it: its commands run as written, in a folder of their
+own, on a tiny Qwen3 made by transformers (sizes made tiny by documented flags added to the
+train command). Around them, what that day hit: a checkpoint.folder without an interval saves at
+the end; a run from a Hugging Face folder says its hyper-parameters and which are still the debug
+job's; tokens of another tokenizer are refused with the exact tokenize command; a job folder
+where a checkpoint is expected means its newest complete checkpoint, or is refused listing what
+it holds."""
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, run_plait
+from plait.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+# README.md, "continue a Hugging Face model": tokenize with the folder's tokenizer, continue its
+# pre-training (a checkpoint.folder saves at the end), export the newest checkpoint for transformers.
+HF_RECIPE = [
+    "plait tokenize --data.path corpus/ --out qwen3-tokens/ --data.tokenizer Qwen3-0.6B/tokenizer.json",
+    "plait train --checkpoint.load Qwen3-0.6B/ --data.path qwen3-tokens/ --checkpoint.folder ckpt/",
+    "plait export --checkpoint ckpt/ --out qwen3-continued/",
+]
+STEPS = 3
+TINY_TRAIN = [*TINY, "--training.steps", str(STEPS)]  # what the README leaves at the defaults, made tiny
+DEBUG_CHOICES = ["training.lr", "training.warmup_steps", "training.steps", "training.seq_len",
+                 "training.global_batch_size"]
+
+
+def plait(command: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
+    """`command` (a README line) run as written in `cwd`; train gets TINY_TRAIN's sizes."""
+    argv = shlex.split(command)
+    assert argv[0] == "plait"
+    extra = TINY_TRAIN if argv[1] == "train" else []
+    proc = subprocess.run([sys.executable, "-m", "plait", *argv[1:], *extra], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    assert not check or proc.returncode == 0, f"{command} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def tiny_qwen3(folder):
+    """A random Qwen3 in the debug shape, saved by transformers, with a tokenizer of its own."""
+    from test_families import make_hf_model
+
+    from plait.data.tokenizer import train_bpe
+
+    make_hf_model("qwen3").save_pretrained(folder)
+    train_bpe([(ROOT / "README.md").read_text()] * 4, 300).save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    """The README's recipe run in a folder holding Qwen3-0.6B/ (tiny) and corpus/: each command's output."""
+    root = tmp_path_factory.mktemp("first-day")
+    tiny_qwen3(root / "Qwen3-0.6B")
+    (root / "corpus").mkdir()
+    for page in ("checkpoints", "families", "clusters"):
+        shutil.copy(ROOT / "docs" / f"{page}.md", root / "corpus" / f"{page}.txt")
+    return root, [plait(command, root) for command in HF_RECIPE]
+
+
+def test_the_readme_recipe_continues_a_hugging_face_model_as_written(recipe):
+    root, _ = recipe
+    readme = (ROOT / "README.md").read_text()
+    assert [command for command in HF_RECIPE if command not in readme] == []
+    assert (root / "ckpt" / f"step-{STEPS}" / "plait.json").is_file()
+    exported = root / "qwen3-continued"
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    logits = model(**tokenizer("Checkpoints are folders", return_tensors="pt")).logits
+    assert logits.shape[-1] == model.config.vocab_size and logits.isfinite().all()
+
+
+def test_a_run_from_a_hugging_face_folder_says_its_hyperparameters_and_the_debug_defaults(recipe):
+    _, (_, train, _) = recipe
+    lines = train.stdout.splitlines()
+    [said] = [line for line in lines if line.startswith("plait: hyper-parameters:")]
+    assert "lr 0.002" in said and f"{STEPS} steps" in said and "seq_len 64" in said and "global batch 4" in said, said
+    [warning] = [line for line in lines if "the debug job's defaults" in line]
+    named = [option for option in DEBUG_CHOICES if option in warning]
+    assert warning.startswith("plait: warning:") and named == ["training.lr"], warning  # the others were given
+
+
+def test_a_checkpoint_folder_without_an_interval_saves_the_last_step(debug_job):
+    folder, proc = debug_job
+    assert sorted(p.name for p in folder.iterdir()) == ["plait-job.json", f"step-{STEPS}"]
+    assert (folder / f"step-{STEPS}" / "plait.json").is_file()
+    assert f"plait: checkpoint {folder / f'step-{STEPS}'} complete" in proc.stdout
+
+
+def test_tokens_of_another_tokenizer_are_refused_with_the_tokenize_command(tmp_path):
+    """Tokens made with the corpus's own BPE, trained from a Hugging Face folder (whose embeddings are
+    its tokenizer's): the message is the command that makes the right ones. With data.tokenizer given
+    (no Hugging Face folder), training with the folder's own tokenizer is the other way out."""
+    from plait.data.tokenize import main as tokenize_main
+
+    source = tmp_path / "Qwen3-0.6B"
+    tiny_qwen3(source)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((ROOT / "docs" / "checkpoints.md").read_text())
+    tokens = tmp_path / "tokens"
+    assert tokenize_main(["--data.path", str(corpus), "--out", str(tokens), "--data.vocab_size", "300",
+                          "--workers", "1"]) == 0
+    _, proc = run_plait(tmp_path, "--checkpoint.load", str(source), "--data.path", str(tokens), check=False)
+    [line] = proc.stderr.strip().splitlines()
+    command = (f"plait tokenize --data.path {corpus} --out {tmp_path / 'tokens-Qwen3-0.6B'} --data.tokenizer "
+               f"{source / 'tokenizer.json'}")
+    assert proc.returncode == 2 and command in line and "drop data.tokenizer" not in line, line
+    _, proc = run_plait(tmp_path, "--data.tokenizer", str(source / "tokenizer.json"), "--data.path", str(tokens),
+                        check=False)
+    [line] = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and command in line and "drop data.tokenizer" in line, line
+
+
+@pytest.fixture(scope="module")
+def debug_job(tmp_path_factory):
+    """A debug job's checkpoint.folder, trained STEPS steps with no checkpoint.interval: (folder, run)."""
+    tmp = tmp_path_factory.mktemp("job")
+    _, proc = run_plait(tmp, "--training.steps", str(STEPS), "--checkpoint.folder", str(tmp / "ckpt"))
+    return tmp / "ckpt", proc
+
+
+def generated(capsys, checkpoint) -> tuple[int, str, str]:
+    code = main(["generate", "--checkpoint", str(checkpoint), "--prompt", "Checkpoints", "--max_new_tokens", "4",
+                 "--temperature", "0", "--ids"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_job_folder_means_its_newest_complete_checkpoint(debug_job, tmp_path, capsys):
+    folder, _ = debug_job
+    newest = folder / f"step-{STEPS}"
+    said = f"plait: {folder} is a job folder: using its newest complete checkpoint {newest}"
+    code, text, err = generated(capsys, folder)
+    assert code == 0 and said in err.splitlines(), err
+    assert (code, text) == generated(capsys, newest)[:2]
+    assert main(["export", "--checkpoint", str(folder), "--out", str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert said in capsys.readouterr().err.splitlines()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    rows, proc = run_plait(tmp_path, "--training.steps", "1", "--checkpoint.load", str(folder))
+    assert len(rows) == 1 and said in (proc.stdout + proc.stderr).splitlines(), proc.stdout + proc.stderr
+
+
+def test_a_job_folder_without_a_complete_checkpoint_is_refused_listing_what_it_holds(debug_job, tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    (folder / f"step-{STEPS}").mkdir(parents=True)
+    shutil.copy(debug_job[0] / "plait-job.json", folder)
+    (folder / f"step-{STEPS}" / "__0_0.distcp").write_bytes(b"partial")  # a save that never completed
+    held = f"it holds plait-job.json, step-{STEPS} (unfinished: no plait.json)"
+    for command in (["generate", "--checkpoint", str(folder), "--prompt", "x"],
+                    ["export", "--checkpoint", str(folder), "--out", str(tmp_path / "hf")]):
+        assert main(command) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"plait: error: checkpoint: {folder} is a job folder") and held in line, line
+    _, proc = run_plait(tmp_path, "--training.steps", "1", "--checkpoint.load", str(folder), check=False)
+    [line] = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and line.startswith(f"plait: error: checkpoint.load: {folder} is a job folder") \
+        and held in line, line
