@@ -1,13 +1,17 @@
 """What the repository holds: the project's text, and the plots its docs show. A binary someone
 needed once (a profiler's wheel was committed at the root) would ride along in every clone."""
 
+import re
 import subprocess
 from fnmatch import fnmatch
+from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
+FENCED = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)  # code blocks: their brackets are code
 OWN_BINARIES = ("docs/*.png",)  # plots the docs pages show, made by plait's own proof tools
 
 
@@ -31,3 +35,20 @@ def test_every_module_is_small():
     """Files under ~400 lines: a module that outgrows it holds two things and splits along them."""
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "plait").rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > 400} == {}
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    """`page: target` for each relative link of `pages` whose file does not exist (anchors are not checked)."""
+    broken = []
+    for page in pages:
+        for target in LINK.findall(FENCED.sub("", page.read_text())):
+            path = target.split("#")[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    return broken
+
+
+def test_every_link_of_the_readme_and_docs_leads_somewhere():
+    """A page moved or renamed leaves no link behind it (README.md and docs/ link each other and the tests)."""
+    broken = broken_links([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
