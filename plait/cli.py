@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -11,11 +12,12 @@ import tempfile
 import time
 import typing
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Literal
 
 from plait.arguments import parse, parse_args
-from plait.config import ConfigError
+from plait.config import ConfigError, JobConfig
 
 USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,bench,bench-context,compare,trace,plan,plot,doctor} [options]
 
@@ -32,6 +34,8 @@ subcommands:
   trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...
   plot             loss, val_loss, lr, grad_norm, tokens/s of runs in a PNG: plait plot METRICS.jsonl [MORE.jsonl] --out run.png
   doctor           is this machine (cluster) fit to train: hardware, compute, corruption, network, a job, storage
+
+plait --version prints the installed version.
 """
 
 
@@ -41,6 +45,7 @@ def train(argv: list[str]) -> int:
         from plait.checks import check_options
 
         check_options(cfg, cfg.nproc)  # once here, so a mistake prints one line instead of one per rank
+        warn_of_oversubscription(cfg)
         return launch_local(argv, cfg.nproc, cfg.max_restarts)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:
         raise ConfigError(f"nproc: {cfg.nproc} does not match torchrun's world size {os.environ['WORLD_SIZE']}")
@@ -63,6 +68,14 @@ def train(argv: list[str]) -> int:
             print("plait: stopped on SIGINT outside the training steps: nothing saved", file=sys.stderr, flush=True)
         code = 128 + signal.SIGINT
     end_worker(code)
+
+
+def warn_of_oversubscription(cfg) -> None:
+    """One line where --nproc asks for more ranks than this machine has cores (or refuses more than its GPUs)."""
+    from plait.hardware import local_ranks_warning
+
+    if warning := local_ranks_warning(cfg.nproc, cfg.training.device):
+        print(f"plait: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def end_worker(code: int) -> typing.NoReturn:
@@ -198,6 +211,7 @@ def doctor(argv: list[str]) -> int:
         from plait.checks import check_options
 
         check_options(cfg, cfg.nproc)
+        warn_of_oversubscription(cfg)
         return launch_local(argv, cfg.nproc, 0, "doctor")
     end_worker(run(cfg))
 
@@ -238,13 +252,18 @@ def plot(argv: list[str]) -> int:
     return plot_main(argv)
 
 
+@dataclass
+class SeedCheckpointConfig(JobConfig):
+    out: str = ""
+    """the folder to write the seed checkpoint to (required; never overwritten)"""
+
+
 def seed_checkpoint(argv: list[str]) -> int:
     """One process, no process group: the job's model initialised from training.seed, weights only."""
-    if "--out" not in argv[:-1]:
+    cfg = parse_args(argv, "plait seed-checkpoint", SeedCheckpointConfig)
+    if not cfg.out:
         raise ConfigError("out: plait seed-checkpoint needs --out DIR")
-    i = argv.index("--out")
-    out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
-    cfg = parse_args(argv, prog="plait seed-checkpoint")
+    out = Path(cfg.out)
     from plait import hf
     from plait.checkpoint.checkpointer import write_seed_checkpoint
     from plait.data import build_tokenizer
@@ -263,7 +282,7 @@ class ExportArgs:
     out: str
     """folder to write"""
     format: Literal["hf"] = "hf"
-    """hf: Hugging Face Llama (config.json, safetensors, tokenizer), as transformers loads it"""
+    """hf: a Hugging Face folder of the model's family (config.json, safetensors, tokenizer), as transformers loads it"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """dtype of the exported weights"""
     shard_mb: int = 5000
@@ -279,7 +298,8 @@ def export(argv: list[str]) -> int:
     if opts.shard_mb < 1:
         raise ConfigError(f"shard_mb: must be >= 1, got {opts.shard_mb}")
     wrote = export_checkpoint(Path(opts.checkpoint), Path(opts.out), getattr(torch, opts.dtype), opts.shard_mb << 20)
-    print(f"plait: exported {opts.checkpoint} to {opts.out} as Hugging Face Llama, {opts.dtype}: {wrote}")
+    architecture = json.loads(Path(opts.out, "config.json").read_text())["architectures"][0]  # as transformers reads it
+    print(f"plait: exported {opts.checkpoint} to {opts.out} as Hugging Face {architecture}, {opts.dtype}: {wrote}")
     return 0
 
 
@@ -296,6 +316,9 @@ COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkp
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--version":
+        print(f"plait {version('plait')}")
+        return 0
     if not argv or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

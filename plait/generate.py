@@ -135,6 +135,7 @@ def main(argv: list[str]) -> int:
             print(text[len(shown):], end="", flush=True)
             shown = text
     seconds = time.perf_counter() - start
-    print(f"\nplait: {len(new)} tokens in {seconds:.2f}s ({len(new) / seconds:.1f} tokens/s, KV cache "
+    print(flush=True)  # the text ends its line, in a terminal and in a file it is redirected to
+    print(f"plait: {len(new)} tokens in {seconds:.2f}s ({len(new) / seconds:.1f} tokens/s, KV cache "
           f"{'on' if opts.kv_cache else 'off'})" + (f"; ids {new}" if opts.ids else ""), file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.cache import cache_dir, cached_file
+from plait.config import ConfigError
 
 # Dense peak TFLOP/s (bf16 tensor cores, fp32 without TF32) from the vendors' data sheets, matched
 # against torch.cuda.get_device_name() in order: the first pattern found in the name wins, so
@@ -47,6 +48,23 @@ def pick_device(device: str) -> torch.device:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
+
+
+def local_ranks_warning(nproc: int, device: str) -> str:
+    """What to say before `nproc` ranks start on this machine: a warning where they outnumber its
+    CPU cores ("" where they do not). Oversubscribed cores are legitimate (a test of a world-4
+    layout on a laptop) but slow. On CUDA each rank takes the GPU of its local rank, so more ranks
+    than GPUs cannot start: ConfigError."""
+    if pick_device(device).type == "cuda":
+        if nproc > (gpus := torch.cuda.device_count()):
+            raise ConfigError(f"nproc: {nproc} ranks need a GPU each, this machine has {gpus} "
+                              "(training.device cpu runs them on CPU cores)")
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc <= cores:
+        return ""
+    return (f"nproc: {nproc} ranks on {cores} CPU core{'s' * (cores > 1)} share {'them' if cores > 1 else 'it'}: "
+            f"fine for a test, slower than {cores} rank{'s' * (cores > 1)} for training")
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":

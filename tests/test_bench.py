@@ -131,3 +131,35 @@ def test_bench_rounds_take_each_rows_median_speed_and_highest_peak():
     assert "median of steps 3-3, then of 3 rounds run in turn; " in text
     with pytest.raises(ConfigError, match="rounds: must be at least 1, got 0"):
         bench(BenchConfig(rounds=0))
+
+
+def test_bench_warns_under_the_table_when_its_ratios_cannot_be_trusted(monkeypatch):
+    """Other work on the machine (the 1-minute load average beyond what the bench's own ranks make)
+    or rounds of a row that disagree: a warning line under the table, not silently skewed ratios."""
+    import os
+
+    from plait.proof import bench as bench_module
+    from plait.proof.bench_table import markdown
+
+    machine = {"device": "CPU", "native_bf16": False, "why": "-", "threads": 2, "dtypes": ["float32"],
+               "peak_tflops": {"float32": 0.1}}
+    monkeypatch.setattr(bench_module, "hardware", lambda cfg, flavor: machine)  # no rows: nothing is measured
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    loads = iter([(2.5, 0.0, 0.0), (3.5, 0.0, 0.0)])  # at the start, at the end
+    monkeypatch.setattr(os, "getloadavg", lambda: next(loads))
+    result = bench_module.bench(bench_module.BenchConfig(rows=(), flavor="debug"))
+    assert result["load"] == {"cores": 2, "start": 2.5, "end": 3.5, "own": 2}
+    busy = ("warning: other work kept this machine busy (1-minute load average 2.5 at the start, 3.5 at the end, "
+            "the bench's own ranks at most 2, on 2 cores): ratios between rows are not to be trusted; rerun on an idle machine")
+    assert markdown(result).splitlines()[-1] == busy
+    idle = {**result, "load": {"cores": 2, "start": 0.2, "end": 2.4, "own": 2}}  # the end's load is the bench's own
+    assert "warning" not in markdown(idle)
+
+    row = {"flavor": "debug", "key": "single", "layout": "single device", "world": 1, "float32_tokens_per_sec": 100.0,
+           "float32_mfu": None, "float32_vs_raw": None, "float32_memory_gib": 1.0, "float32_state_gib": 0.1,
+           "float32_collectives_per_step": 0, "rounds_tokens_per_sec": {"float32_tokens_per_sec": [130.0, 100.0, 90.0]}}
+    steady = {**row, "key": "ddp", "layout": "DDP", "rounds_tokens_per_sec": {"float32_tokens_per_sec": [99.0, 100.0, 101.0]}}
+    text = markdown({**idle, "settings": {**idle["settings"], "rounds": 3}, "rows": [row, steady]})
+    assert text.splitlines()[-1] == ("warning: single device: its 3 rounds differ by 40% in float32 tokens/s (90 to 130): "
+                                     "a noisy machine; ratios with this row are uncertain")
+    assert text.count("warning") == 1

@@ -80,7 +80,8 @@ def test_golden_round_trip_then_doctored_golden_fails_naming_the_step(world2, tm
 
 
 @pytest.mark.parametrize("run, message", [
-    ("tpp=2", "tpp: unknown option in run 'tpp=2'; allowed: nproc, section.key, or one of ["),
+    ("tpp=2", "tpp: unknown option in run 'tpp=2'; did you mean tp or pp? (a key is nproc, section.key"),
+    ("training.stepz=2", "training.stepz: unknown option in run 'training.stepz=2'; did you mean training.steps, "),
     (f"{AMBIGUOUS}=1", f"{AMBIGUOUS}: ambiguous in run '{AMBIGUOUS}=1', say which: "),
     ("tp=two", "parallelism.tp: 'two' in run 'tp=two' is not int"),
     ("sequence_parallel=maybe", "parallelism.sequence_parallel: 'maybe' in run 'sequence_parallel=maybe' is not true"),

@@ -65,10 +65,11 @@ def _write_json(path: Path, value: dict) -> None:
 # writing
 
 def write_folder(documents: Iterable[tuple[str, int]], tokenizer: Tokenizer, out: Path, source: str,
-                 workers: int = 0, shard_chars: int = 64_000_000, progress=None) -> dict:
+                 workers: int = 0, shard_chars: int = 64_000_000, progress=None, kept: list | None = None) -> dict:
     """Tokenize `documents` ((text, source bytes) pairs) into `out`; returns the manifest.
     `workers` processes encode shards in parallel (0: this process). Shards already in `out` from
-    an interrupted or earlier run are kept where their source text is unchanged."""
+    an interrupted or earlier run are kept where their source text is unchanged (their manifest
+    entries are appended to `kept`, so a caller can report the new work alone)."""
     settings = {"format": FORMAT, "tokenizer_sha256": sha256(tokenizer), "shard_chars": shard_chars}
     done = _finished_shards(out, settings)
     _write_json(out / PARTIAL, settings)
@@ -95,6 +96,8 @@ def write_folder(documents: Iterable[tuple[str, int]], tokenizer: Tokenizer, out
             source_sha, old = fingerprint(texts), done.get(k)
             if old and old["source_sha256"] == source_sha and _size_ok(out / old["file"], old, dtype):
                 result = old
+                if kept is not None:
+                    kept.append(old)
             elif pool:
                 result = pool.submit(_encode_shard, None, eos, dtype, out, k, texts, source_sha)
             else:

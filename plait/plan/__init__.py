@@ -126,6 +126,9 @@ def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
 
 @dataclass
 class PlanArgs:
+    """Predicted memory, communication and step time of every layout of a job on `world` devices, best first.
+    The job is given by plait train's options (plait train --help lists them), e.g. --model.flavor llama3_8b."""
+
     world: int
     """ranks the job will run on (nodes x devices per node)"""
     device_memory_gib: float
@@ -143,13 +146,13 @@ class PlanArgs:
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(plan's own flags, the train options)."""
-    own_names = {f"--{name}" for name in PlanArgs.__dataclass_fields__}
+    """(plan's own flags, the train options). --help is plan's: it lists plan's options and points to train's."""
+    own_names = {f"--{name}" for name in PlanArgs.__dataclass_fields__} | {"-h", "--help"}
     own, rest, i = [], [], 0
     while i < len(argv):
         name = argv[i].split("=", 1)[0]
         if name in own_names:
-            takes_value = name != "--json" and "=" not in argv[i]
+            takes_value = name not in ("--json", "-h", "--help") and "=" not in argv[i]
             own += argv[i:i + 1 + takes_value]
             i += 1 + takes_value
         else:

@@ -258,6 +258,7 @@ def bench(cfg: BenchConfig) -> dict:
     if cfg.rounds < 1:
         raise ConfigError(f"rounds: must be at least 1, got {cfg.rounds}")
     table, machine, spec = [], {}, layouts(cfg.nproc)
+    start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for flavor in flavors(cfg):
             machine[flavor] = hardware(cfg, flavor)
@@ -292,7 +293,17 @@ def bench(cfg: BenchConfig) -> dict:
                 table.append(row)
     add_vs_raw(table)
     add_ac_effect(table)
-    return {"settings": asdict(cfg), "hardware": machine, "rows": table, "state_ratios": state_ratios(table)}
+    return {"settings": asdict(cfg), "hardware": machine, "rows": table, "state_ratios": state_ratios(table),
+            "load": load(cfg, start_load, [spec[row["key"]][1] for row in table])}
+
+
+def load(cfg: BenchConfig, start: float, worlds: list[int]) -> dict:
+    """The machine's 1-minute load average at the start and at the end, next to its cores and the
+    most the bench's own ranks make (ranks x threads each, as plait train and the raw loops set
+    them): what the end holds beyond that, or the start holds at all, is other work."""
+    cores = os.cpu_count() or 1  # the load average counts the whole system's runnable threads
+    own = max((world * (cfg.threads or max(1, cores // world)) for world in worlds), default=cores)
+    return {"cores": cores, "start": start, "end": os.getloadavg()[0], "own": max(own, cores)}
 
 
 def add_vs_raw(table: list[dict]) -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 PP_MICROBATCHES = 4  # the pipeline rows' micro-batches
 DTYPES = ("float32", "bfloat16")
 # float8 row: the same layout without float8, the row its tokens/s are compared with.
@@ -12,6 +14,10 @@ FLOAT8_REFERENCES = {"single_float8": "single", "fsdp2_float8": "fsdp2", "fsdp2_
 MUON_REFERENCES = {"single_muon": "single", "fsdp2_muon": "fsdp2"}
 # plait's row -> the loops it is held against (the framework tax: tokens/s over theirs, same precision).
 TAX_REFERENCES = {"single": ("raw_pytorch", "transformers"), "fsdp2": ("raw_fsdp2",)}
+# Other work's load average, in cores per core, from which the bench did not have the machine to itself.
+BUSY = 0.5
+# Rounds of a row whose tokens/s differ by more than this share of their median: the machine was noisy.
+SPREAD = 0.2
 
 
 def hardware_line(machine: dict) -> str:
@@ -127,4 +133,23 @@ def markdown(result: dict) -> str:
         lines += muon_lines(rows, machine["dtypes"])
         lines += tax_lines(rows, machine["dtypes"])
         lines.append("")
-    return "\n".join(lines).rstrip()
+    return "\n".join(lines + trust_lines(result)).rstrip()
+
+
+def trust_lines(result: dict) -> list[str]:
+    """Warnings for under the table where its ratios cannot be trusted: other work on the machine
+    while it ran (the load average beyond the bench's own ranks), or a row whose rounds disagree."""
+    lines = []
+    if load := result.get("load"):
+        if max(load["start"], load["end"] - load["own"]) >= BUSY * load["cores"]:
+            lines.append(f"warning: other work kept this machine busy (1-minute load average {load['start']:.1f} at "
+                         f"the start, {load['end']:.1f} at the end, the bench's own ranks at most {load['own']}, on "
+                         f"{load['cores']} cores): ratios between rows are not to be trusted; rerun on an idle machine")
+    for row in result["rows"]:
+        for metric, values in row.get("rounds_tokens_per_sec", {}).items():
+            spread = (max(values) - min(values)) / statistics.median(values)
+            if spread > SPREAD:
+                lines.append(f"warning: {row['layout']}: its {len(values)} rounds differ by {spread:.0%} in "
+                             f"{metric.removesuffix('_tokens_per_sec').replace('_', ' ')} tokens/s ({min(values):.0f} "
+                             f"to {max(values):.0f}): a noisy machine; ratios with this row are uncertain")
+    return lines

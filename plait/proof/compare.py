@@ -8,6 +8,7 @@ norms, precision). Runs are real `plait train` processes (torchrun for world > 1
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import shutil
 import subprocess
@@ -91,7 +92,11 @@ def resolve_key(key: str, types: dict[str, type], spec: str) -> str:
         raise ConfigError(f"{key}: ambiguous in run {spec!r}, say which: {', '.join(matches)}")
     if not matches:
         unique = sorted(k for k, n in Counter(name.split(".", 1)[1] for name in types).items() if n == 1)
-        raise ConfigError(f"{key}: unknown option in run {spec!r}; allowed: nproc, section.key, or one of {unique}")
+        close = difflib.get_close_matches(key, list(types) if "." in key else ["nproc", *unique], n=3)
+        names = f"{', '.join(close[:-1])} or {close[-1]}" if len(close) > 1 else "".join(close)
+        hint = f"; did you mean {names}?" if close else ""
+        raise ConfigError(f"{key}: unknown option in run {spec!r}{hint} (a key is nproc, section.key, or a key "
+                          "that names one train option: plait train --help lists them)")
     return matches[0]
 
 

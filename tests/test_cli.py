@@ -1,0 +1,113 @@
+"""The command line as a newcomer meets it: each subcommand's --help, --version, and what the
+commands print when they are done (in-process, so each check takes well under a second)."""
+
+import os
+from importlib.metadata import version
+
+import pytest
+
+from conftest import TINY
+from plait import cli
+from plait.cli import COMMANDS, main
+
+# subcommand -> an option only its own --help lists (a subcommand missing here is still checked for
+# its own usage line and exit code 0)
+OWN_OPTION = {"train": "--training.steps", "tokenize": "--workers", "seed-checkpoint": "--out", "export": "--shard_mb",
+              "generate": "--max_new_tokens", "bench": "--rounds", "bench-context": "--seq_lens", "compare": "--run",
+              "trace": "--expect", "plan": "--device_memory_gib", "doctor": "--budget_seconds"}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_has_its_own_help(command, capsys):
+    try:
+        code = main([command, "--help"])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr().out
+    assert code in (0, None) and out.startswith(f"usage: plait {command} "), out[-2000:]
+    assert OWN_OPTION.get(command, "") in out
+
+
+def test_help_lists_only_what_a_command_accepts(capsys):
+    with pytest.raises(SystemExit):
+        main(["tokenize", "--help"])
+    out = capsys.readouterr().out
+    assert "--data.path" in out and "--data.mix" not in out and "--data.val_path" not in out
+    assert main(["tokenize", "--data.mix", "a:1", "--out", "x"]) == 2
+    assert capsys.readouterr().err.startswith("plait: error: data.mix: plait tokenize takes one data.path")
+    # plan takes train's options for the job: its help points there instead of repeating them
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "--world" in out and "plait train --help" in out and "--training.steps" not in out
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"plait {version('plait')}\n"
+
+
+@pytest.fixture(scope="module")
+def qwen3_seed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seed") / "qwen3"
+    assert main(["seed-checkpoint", *TINY, "--model.flavor", "debug_qwen3", "--out", str(out)]) == 0
+    return out
+
+
+def test_export_names_the_models_family(qwen3_seed, tmp_path, capsys):
+    assert main(["export", "--checkpoint", str(qwen3_seed), "--out", str(tmp_path / "hf")]) == 0
+    line = capsys.readouterr().out
+    assert "as Hugging Face Qwen3ForCausalLM, bfloat16" in line and "Llama" not in line
+
+
+def test_generate_ends_its_text_with_a_newline(qwen3_seed, capsys):
+    assert main(["generate", "--checkpoint", str(qwen3_seed), "--prompt", "Tensor", "--max_new_tokens", "3",
+                 "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Tensor") and out.endswith("\n") and out.count("\n") == 1
+    assert err.startswith("plait: 3 tokens in ")  # the timing line follows the text, not a blank line
+
+
+def test_a_second_tokenize_says_it_had_nothing_to_do(tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n\n" * 200)
+    argv = ["tokenize", "--data.path", str(tmp_path / "corpus.txt"), "--data.vocab_size", "300",
+            "--out", str(tmp_path / "tokens"), "--workers", "1"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "tokens/s with 1 workers" in first
+    assert main(argv) == 0
+    again = capsys.readouterr().out
+    assert "tokens/s" not in again and f"{tmp_path / 'tokens'} already holds" in again, again
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """`plait train --nproc N` up to the launch: the torchrun command it would run is recorded instead."""
+    calls = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(cli, "launch_local", lambda argv, nproc, *rest: calls.append(nproc) or 0)
+    return calls
+
+
+def test_more_ranks_than_cores_is_said_once(launched, monkeypatch, capsys):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # a one-core machine
+    argv = ["train", *TINY, "--training.device", "cpu", "--parallelism.dp_shard", "2"]
+    assert main([*argv, "--nproc", "2"]) == 0 and launched == [2]
+    assert capsys.readouterr().err.splitlines() == [
+        "plait: warning: nproc: 2 ranks on 1 CPU core share it: fine for a test, slower than 1 rank for training"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert main([*argv, "--nproc", "2"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_more_ranks_than_gpus_cannot_start(launched, monkeypatch, capsys):
+    import torch
+
+    from plait import precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "a GPU with bf16"))  # a GPU that is not here
+    assert main(["train", *TINY, "--training.device", "cuda", "--parallelism.dp_shard", "2", "--nproc", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "plait: error: nproc: 2 ranks need a GPU each, this machine has 1 (training.device cpu runs them on CPU cores)"]
+    assert launched == []
