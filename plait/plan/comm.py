@@ -126,7 +126,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     out["step", "all_reduce", "scalars"] += 4 * (2 + (p.pp > 1)) + 8 * sum(map(sum, kinds)) + 8 * (p.pp > 1)
     if args.n_experts:  # the step's expert load (int64 per layer and expert) and auxiliary loss; their pp reductions
         moe_blocks = sum(map(args.sparse, block_indices(blocks)))
-        out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 4 + (4 + 16) * (p.pp > 1)
+        out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 8 + (8 + 16) * (p.pp > 1)
     return out
 
 
