@@ -7,6 +7,7 @@ where a checkpoint is expected means its newest complete checkpoint, or is refus
 it holds."""
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -26,6 +27,20 @@ HF_RECIPE = [
     "plait train --checkpoint.load Qwen3-0.6B/ --data.path qwen3-tokens/ --checkpoint.folder ckpt/",
     "plait export --checkpoint ckpt/ --out qwen3-continued/",
 ]
+# README.md, "your first model": tokenize a folder of documents, train with validation and a
+# checkpoint folder, plot the run, resume it with more steps, export, generate.
+FIRST_MODEL = [
+    "plait tokenize --data.path my_corpus/ --out my_tokens/",
+    "plait train --data.path my_tokens/ --data.val_path my_val.jsonl --checkpoint.folder my_run/ "
+    "--metrics.jsonl my_run/metrics.jsonl",
+    "plait plot my_run/metrics.jsonl",
+    "plait train --data.path my_tokens/ --data.val_path my_val.jsonl --checkpoint.folder my_run/ "
+    "--metrics.jsonl my_run/metrics.jsonl --training.steps 80",
+    "plait export --checkpoint my_run/ --out my_model/",
+    'plait generate --checkpoint my_run/ --prompt "The checkpoint" --temperature 0',
+]
+# W&B as the README's step 4 adds it (offline: no account, no network)
+WANDB = ["--metrics.wandb_project", "my-first-model", "--metrics.wandb_offline"]
 STEPS = 3
 TINY_TRAIN = [*TINY, "--training.steps", str(STEPS)]  # what the README leaves at the defaults, made tiny
 DEBUG_CHOICES = ["training.lr", "training.warmup_steps", "training.steps", "training.seq_len",
@@ -75,6 +90,48 @@ def test_the_readme_recipe_continues_a_hugging_face_model_as_written(recipe):
     assert type(model).__name__ == "Qwen3ForCausalLM"
     logits = model(**tokenizer("Checkpoints are folders", return_tensors="pt")).logits
     assert logits.shape[-1] == model.config.vocab_size and logits.isfinite().all()
+
+
+def test_the_readme_walks_a_first_model_through_as_written(tmp_path):
+    """The README's first-model commands, as written, in a folder of their own: documents of the
+    docs pages, tiny sizes put in front of each train command's own options (so its
+    --training.steps 80 still wins), and W&B offline added as its step 4 says."""
+    pytest.importorskip("wandb")
+    from test_watching import read_wandb_run
+
+    readme = (ROOT / "README.md").read_text()
+    assert [command for command in FIRST_MODEL if command not in readme] == []
+    (tmp_path / "my_corpus").mkdir()
+    for page in ("checkpoints", "families", "clusters", "moe"):
+        shutil.copy(ROOT / "docs" / f"{page}.md", tmp_path / "my_corpus" / f"{page}.txt")
+    paragraphs = [p for page in ("data", "layouts") for p in (ROOT / "docs" / f"{page}.md").read_text().split("\n\n")]
+    (tmp_path / "my_val.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs if p.strip()))
+    env = {**os.environ, **{name: str(tmp_path / "wandb" / name.lower())
+                            for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}}
+    out = {}
+    for command in FIRST_MODEL:
+        argv = shlex.split(command)
+        if argv[1] == "train":
+            argv = [*argv[:2], *TINY_TRAIN, *argv[2:], *WANDB]
+        proc = subprocess.run([sys.executable, "-m", "plait", *argv[1:]], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert proc.returncode == 0, f"{command} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        out[command] = proc
+    first, plot, resumed, export, generate = (out[c] for c in FIRST_MODEL[1:])
+    run = tmp_path / "my_run"
+    assert (run / f"step-{STEPS}" / "plait.json").is_file() and (run / "step-80" / "plait.json").is_file()
+    assert f"plait: done: step {STEPS} | loss " in first.stdout and "val_loss" in first.stdout
+    assert "plait: resuming with training.steps 3 -> 80" in resumed.stdout
+    assert "plait: done: step 80 | loss " in resumed.stdout
+    assert (run / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 81))
+    wandb_runs = [read_wandb_run(f) for f in (tmp_path / "wandb" / "wandb_dir" / "wandb").glob("offline-run-*")]
+    assert len(wandb_runs) == 2 and {r["id"] for r in wandb_runs} == {(run / "wandb-run-id").read_text().strip()}
+    assert sorted(row["_step"] for r in wandb_runs for row in r["history"]) == list(range(1, 81))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "my_model")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "my_model")
+    assert model(**tokenizer("The checkpoint", return_tensors="pt")).logits.isfinite().all()
+    assert generate.stdout.startswith("The checkpoint") and generate.stdout.endswith("\n")
 
 
 def test_a_run_from_a_hugging_face_folder_says_its_hyperparameters_and_the_debug_defaults(recipe):
