@@ -153,6 +153,15 @@ def test_layout_jobs_set_every_parallelism_option():
     assert set_ == {f.name for f in dataclasses.fields(Parallelism)}
 
 
+def test_the_report_names_every_degree_of_the_layout():
+    """ep borrows its ranks from dp_shard x cp, so no product of degrees shows it: said apart."""
+    from plait.doctor import layout
+
+    assert layout(job_config(parse([*FP32, *MOE, "--parallelism.ep", "2"]), 2)) == \
+        "fsdp2: dp_shard 2, ep 2 (of dp_shard x cp)"
+    assert layout(job_config(parse([*FP32, "--parallelism.tp", "2"]), 2)) == "fsdp2: tp 2"
+
+
 def test_reference_keeps_the_kernel_auto_chose(monkeypatch):
     """On CUDA `auto` is sdpa under cp or pp and flex without them: the reference, which has neither,
     runs the job's kernel."""

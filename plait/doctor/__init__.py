@@ -48,7 +48,8 @@ def layout(job: JobConfig) -> str:
     p = job.parallelism
     degrees = [f"{name} {getattr(p, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
                if getattr(p, name) > 1]
-    return f"{p.dp_backend}: " + (" x ".join(degrees) or "one rank")
+    experts = f", ep {p.ep} (of dp_shard x cp)" if p.ep > 1 else ""  # ep borrows ranks: no factor of the world
+    return f"{p.dp_backend}: " + (" x ".join(degrees) or "one rank") + experts
 
 
 def run(cfg: DoctorConfig) -> int:
