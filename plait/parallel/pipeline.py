@@ -57,8 +57,10 @@ def check_pipeline(cfg: JobConfig) -> None:
                           "holds gradient reduction back to a stage's last micro-batch for fully_shard modules only, "
                           "so every micro-batch would reduce); allowed with pp > 1: fsdp2 (DDP, FSDP2, HSDP)")
     if p.pp_schedule == "zbv" and t.eval_interval:
-        raise ConfigError("training.eval_interval: torch 2.13's zbv schedule runs backward actions in its forward-only "
-                          "eval and fails; allowed with validation: gpipe, 1f1b, interleaved_1f1b, interleaved_zb")
+        # (named by data.val_path: with it, eval_interval is on whether the user set it or not)
+        raise ConfigError("data.val_path: torch 2.13's zbv schedule runs backward actions in its forward-only eval and "
+                          "fails, so it cannot validate; allowed with validation: gpipe, 1f1b, interleaved_1f1b, "
+                          "interleaved_zb (or drop data.val_path)")
     if p.pp_schedule in ("gpipe", "1f1b") and per_rank != 1:
         raise ConfigError(f"parallelism.pp_stages_per_rank: {p.pp_schedule} runs one stage per rank, got {per_rank}; "
                           "allowed: 1, or a schedule of several (interleaved_1f1b, interleaved_zb, zbv)")
