@@ -17,7 +17,7 @@ from plait.parallel.expert_parallel import check_expert_options
 from plait.parallel.pipeline import check_pipeline
 from plait.precision import resolve
 from plait.optim.schedule import check_schedule
-from plait.wandb_log import check_wandb
+from plait.metrics.wandb_log import check_wandb
 
 
 def check_options(cfg: JobConfig, world: int) -> JobConfig:

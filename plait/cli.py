@@ -247,7 +247,7 @@ def plan(argv: list[str]) -> int:
 
 
 def plot(argv: list[str]) -> int:
-    from plait.plot import main as plot_main
+    from plait.metrics.plot import main as plot_main
 
     return plot_main(argv)
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plait import float8, hf, host_memory, parallel, run_summary
+from plait import float8, hf, host_memory, parallel
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, checkpoint_in,
                                       job_identity, latest_complete)
@@ -30,7 +30,8 @@ from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.expert_load import ExpertLoad
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.hyperparameters import hf_start_lines
-from plait.metrics import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
+from plait.metrics import summary
+from plait.metrics.logger import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
 from plait.models.masking import attention_kernel
 from plait.models.transformer import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, num_params
 from plait.optim import optimizers
@@ -44,7 +45,7 @@ from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
-from plait.wandb_log import wandb_sinks
+from plait.metrics.wandb_log import wandb_sinks
 
 
 class TrainingError(RuntimeError):
@@ -194,7 +195,7 @@ def check_data_sizes(cfg: JobConfig, corpus) -> None:
 
 def run(cfg: JobConfig) -> list[dict]:
     """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
-    started = time.perf_counter() - run_summary.process_age()
+    started = time.perf_counter() - summary.process_age()
     check_options(cfg, world_size())
     set_threads(cfg)
     if cfg.debug.deterministic:
@@ -366,7 +367,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
         checkpointer.close()
         if logger:
             if finished:  # after the last save completed: the summary names it
-                logger.finish(run_summary.build(rows, loader, startup_s, time.perf_counter() - started,
+                logger.finish(summary.build(rows, loader, startup_s, time.perf_counter() - started,
                                                 latest_complete(cfg.checkpoint.folder)))
             logger.close()
     return rows

@@ -14,7 +14,7 @@ from conftest import ROOT, TINY
 from plait import hardware, precision
 from plait.arguments import parse_args
 from plait.hardware import Peak, peak_flops
-from plait.metrics import Utilisation
+from plait.metrics.logger import Utilisation
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 

@@ -90,7 +90,7 @@ def test_a_run_logs_to_wandb_offline_and_a_resumed_run_continues_it(tmp_path):
         for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "memory_gib", "step_time"):
             assert logged[key] == pytest.approx(row[key], rel=1e-12), key
     assert first["summary"]["loss"] == pytest.approx(first_rows[-1]["loss"], rel=1e-12)
-    # the end-of-run summary (plait.run_summary), as the console and <jsonl>.summary.json have it
+    # the end-of-run summary (plait.metrics.summary), as the console and <jsonl>.summary.json have it
     summary = json.loads((tmp_path / "first.summary.json").read_text())
     assert summary["steps_run"] == 3 and summary["checkpoint"].endswith("step-3")
     assert {k: first["summary"][k] for k in ("steps_run", "checkpoint", "wall_time_s", "tokens")} == \
@@ -114,7 +114,7 @@ def test_wandb_run_skips_unmeasured_values_and_takes_the_summary_whole(tmp_path,
     for name, value in {"WANDB_DIR": tmp_path, "WANDB_MODE": "offline", "WANDB_CONFIG_DIR": tmp_path / "config",
                         "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():
         monkeypatch.setenv(name, str(value))
-    from plait.wandb_log import WandbRun
+    from plait.metrics.wandb_log import WandbRun
 
     cfg = parse_args([*TINY, "--metrics.wandb_project", "plait-test", "--metrics.wandb_offline"])
     run = WandbRun(cfg, {"dim": 8}, 0)

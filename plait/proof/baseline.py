@@ -40,7 +40,7 @@ from plait.config import Data, Flavor, Training
 from plait.data import build_tokenizer, eos_id
 from plait.hardware import linear_shapes, peak_flops
 from plait.models.masking import allowed, document_ids, positions_in_documents
-from plait.metrics import Utilisation, peak_memory_gib, state_memory_gib
+from plait.metrics.logger import Utilisation, peak_memory_gib, state_memory_gib
 from plait.models.transformer import Transformer, cross_entropy, flops_per_token, linear_weight_shapes
 from plait.models.flavors import model_args
 

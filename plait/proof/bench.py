@@ -188,7 +188,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
     if compiled:
         return {"compiled_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured)}
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
-            # None where the peak proved untrustworthy (plait.metrics.Utilisation): no number beats a wrong one.
+            # None where the peak proved untrustworthy (plait.metrics.logger.Utilisation): no number beats a wrong one.
             "mfu": None if None in (mfus := [r["mfu"] for r in measured]) else statistics.median(mfus),
             "memory_gib": max(r["memory_gib"] for r in measured),
             "state_gib": rows[0]["state_gib"],

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from plait import run_summary
+from plait.metrics import summary as run_summary
 from plait.hardware import Peak
-from plait.tensorboard_events import drop_events_after
+from plait.metrics.tensorboard_events import drop_events_after
 
 
 class Utilisation:
@@ -75,7 +75,7 @@ class MetricsLogger:
     def __init__(self, jsonl: str, tensorboard: str, log_interval: int, resumed_step: int = 0, plot: str = "",
                  sinks: list = (), steps: int = 0):
         self.log_interval, self.plot = log_interval, plot
-        self.sinks = list(sinks)  # more places rows go (plait.wandb_log.WandbRun): log, finish, close
+        self.sinks = list(sinks)  # more places rows go (plait.metrics.wandb_log.WandbRun): log, finish, close
         self.jsonl = None
         if jsonl:
             path = Path(jsonl)
@@ -123,7 +123,7 @@ class MetricsLogger:
             sink.log(row)
 
     def finish(self, summary: dict) -> None:
-        """The end-of-run summary (plait.run_summary): printed, and written where the metrics go:
+        """The end-of-run summary (plait.metrics.summary): printed, and written where the metrics go:
         `<jsonl name>.summary.json` next to the JSONL (whose rows stay one per step) and a text
         entry in TensorBoard. Every sink that reports the end of a run takes it from here."""
         for line in run_summary.lines(summary):
@@ -142,7 +142,7 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.close()
             if self.plot:  # also after a failure or a signal: the curves up to where the run stopped
-                from plait.plot import plot_runs
+                from plait.metrics.plot import plot_runs
 
                 plot_runs([Path(self.jsonl.name)], Path(self.plot))
         if self.writer:
