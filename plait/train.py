@@ -32,6 +32,7 @@ from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.hyperparameters import hf_start_lines
 from plait.metrics import summary
 from plait.metrics.logger import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
+from plait.metrics.wandb_log import wandb_sinks
 from plait.models.masking import attention_kernel
 from plait.models.transformer import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, num_params
 from plait.optim import optimizers
@@ -45,7 +46,6 @@ from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
-from plait.metrics.wandb_log import wandb_sinks
 
 
 class TrainingError(RuntimeError):

@@ -3,7 +3,7 @@
 A checkpoint is a folder written by `torch.distributed.checkpoint` (DCP) — each rank writes its
 own shards, and any other layout can read them back (DCP reshards on load) — plus `plait.json`,
 the manifest: model shape, step, data-loader and LR-schedule state, RNG state, and the sha256 of
-every file (`digests.py`, in `manifest.py`). The manifest is written last, atomically, by rank 0 once every
+every file (`digests.py`). The manifest (`manifest.py`) is written last, atomically, by rank 0 once every
 rank's data is on disk, so a folder without one is never taken as complete: a crash mid-save can
 leave debris, never a checkpoint.
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from plait.metrics import summary as run_summary
 from plait.hardware import Peak
+from plait.metrics import summary as run_summary
 from plait.metrics.tensorboard_events import drop_events_after
 
 
@@ -100,13 +100,10 @@ class MetricsLogger:
         step = row["step"]
         self.since_line.append((row["step_time"], row["mfu"]))
         if step % self.log_interval == 0 or step in (1, self.steps) or "val_loss" in row:
-            seconds = sum(t for t, _ in self.since_line)
             tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # the same every step
-            tokens_per_sec = tokens_per_step * len(self.since_line) / seconds
-            # MFU is proportional to tokens/s: its time-weighted mean is the mean speed's
-            mfus = [m for _, m in self.since_line]
-            mfu = "  n/a " if None in mfus else f"{100 * sum(m * t for t, m in self.since_line) / seconds:5.2f}%"
-            eta = round(max(0, self.steps - step) * seconds / len(self.since_line))
+            tokens_per_sec, mean_mfu = run_summary.mean_speed(self.since_line, tokens_per_step)
+            mfu = "  n/a " if mean_mfu is None else f"{100 * mean_mfu:5.2f}%"
+            eta = round(max(0, self.steps - step) * tokens_per_step / tokens_per_sec)
             self.since_line = []
             val = f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
             print(f"step {step:5d} | loss {row['loss']:.4f}{val} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e}"

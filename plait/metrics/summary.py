@@ -23,6 +23,16 @@ def process_age() -> float:
         return 0.0
 
 
+def mean_speed(steps: list[tuple[float, float | None]], tokens_per_step: float) -> tuple[float, float | None]:
+    """(tokens/s, MFU) over `steps`, (step_time, mfu) pairs: the mean speed, and MFU's
+    time-weighted mean, which is the MFU of that speed (MFU is proportional to tokens/s); MFU
+    None where a step has none."""
+    seconds = sum(t for t, _ in steps)
+    mfus = [m for _, m in steps]
+    mfu = None if None in mfus else sum(m * t for t, m in steps) / seconds
+    return len(steps) * tokens_per_step / seconds, mfu
+
+
 def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint: Path | None) -> dict:
     """`rows`: this run's per-step rows (after a resume, its steps only); `loader`: the run's
     BatchLoader (its sources, and the sequences each gave since step 1, resumed runs included);
@@ -31,8 +41,8 @@ def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint:
     last = rows[-1] if rows else {}
     tokens_per_step = loader.global_batch_size * loader.seq_len
     timed = rows[1:] or rows  # the first step's warm-up left out, unless it is the only one
-    seconds = sum(row["step_time"] for row in timed)
-    mfus = [row["mfu"] for row in timed]
+    tokens_per_sec, mfu = mean_speed([(row["step_time"], row["mfu"]) for row in timed], tokens_per_step) \
+        if timed else (None, None)
     val = [row for row in rows if "val_loss" in row]
     summary = {
         "step": loader.step, "steps_run": len(rows), "loss": last.get("loss"),
@@ -41,10 +51,7 @@ def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint:
         "sources": [{"source": source.label, "sequences": used, "epochs": used / per_epoch}
                     for source, used, per_epoch in zip(loader.sources, loader.used, loader.num_sequences)],
         "wall_time_s": wall_s, "startup_s": startup_s, "first_step_s": rows[0]["step_time"] if rows else None,
-        # MFU is proportional to tokens/s, so its time-weighted mean is the MFU of the mean speed
-        "tokens_per_sec": len(timed) * tokens_per_step / seconds if timed else None,
-        "mfu": sum(m * row["step_time"] for m, row in zip(mfus, timed)) / seconds
-        if timed and None not in mfus else None,
+        "tokens_per_sec": tokens_per_sec, "mfu": mfu,
         "mean_over_steps": [timed[0]["step"], timed[-1]["step"]] if timed else None,
         "checkpoint": str(checkpoint) if checkpoint else None,
     }
