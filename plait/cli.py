@@ -19,7 +19,7 @@ from typing import Literal
 from plait.arguments import parse, parse_args
 from plait.config import ConfigError, JobConfig
 
-USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,bench,bench-context,compare,trace,plan,plot,doctor} [options]
+USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,eval,bench,bench-context,compare,trace,plan,plot,doctor} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -27,6 +27,7 @@ subcommands:
   seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
   generate         continue a text: plait generate --checkpoint DIR --prompt TEXT [--temperature 0]
+  eval             score a checkpoint on multiple-choice tasks: plait eval --checkpoint DIR [--eval.tasks FILE.jsonl]
   bench            measure layouts x precisions side by side (plait bench --help)
   bench-context    long sequences: seq_len x (CP1, CP2) x (causal, document), tokens/s and memory
   compare          train under several layouts from one seed, compare losses (plait compare --help)
@@ -309,8 +310,14 @@ def generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def evaluate(argv: list[str]) -> int:
+    from plait.evals.command import main as eval_main
+
+    return eval_main(argv)
+
+
 COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
-            "generate": generate, "bench": bench, "bench-context": bench_context, "compare": compare,
+            "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context, "compare": compare,
             "trace": trace, "plan": plan, "plot": plot, "doctor": doctor}
 
 

@@ -188,6 +188,28 @@ class Data:
 
 
 @dataclass
+class Eval:
+    tasks: tuple[str, ...] = ("sample",)
+    """multiple-choice tasks scored every eval.interval steps: a .jsonl file of {"context": str, "choices": [str, ...],
+    "gold": index} per line (lm-evaluation-harness's multiple_choice format), or a bundled task's name (sample: word
+    order in the bundled corpus's Python docs)"""
+    loss_sets: str = ""
+    """named validation sets whose loss is measured every eval.interval steps, "NAME:PATH,NAME:PATH" (e.g.
+    "web:web_val.jsonl,code:code_tokens/"), each raw text or a tokenized folder; metrics val_loss_NAME"""
+    interval: int = 0
+    """score eval.tasks and eval.loss_sets every N steps and at the last step; 0 = never"""
+    limit: int = 0
+    """score the first N examples of each task; 0 = all"""
+    num_fewshot: int = 0
+    """examples with their answers before each question: the task's first N others (lm-evaluation-harness's
+    first_n sampler over the task's own examples)"""
+    target_delimiter: str = " "
+    """between a question and its answer (lm-evaluation-harness's default)"""
+    fewshot_delimiter: str = "\n\n"
+    """after each few-shot example (lm-evaluation-harness's default)"""
+
+
+@dataclass
 class Metrics:
     jsonl: str = ""
     """rank 0 writes one JSON object per optimizer step to this file (a resumed run keeps the rows up to its
@@ -278,6 +300,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     data: Data = field(default_factory=Data)
+    eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

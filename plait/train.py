@@ -27,6 +27,7 @@ from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, c
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
+from plait.evals import Evaluation, Groups, TaskSuite, open_loss_sets
 from plait.expert_load import ExpertLoad
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.hyperparameters import hf_start_lines
@@ -115,33 +116,6 @@ def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts, l
     return loss_sum
 
 
-def evaluate(model: torch.nn.Module, pipeline: Pipeline | None, batches: list, contexts: TrainContexts,
-             layout: BatchLayout, loss_group) -> float:
-    """The mean loss over the validation batches of every dp (x cp) rank, forward only.
-
-    Every micro-batch's loss is gathered and summed exactly (math.fsum: one rounding at the end,
-    so no summation order), so every layout that computes the same micro-batch losses reports
-    the same number to the bit. A pipeline's micro-batch losses come divided by m, so the exact
-    sum of a batch's m is its mean (exactly so for m a power of two)."""
-    losses = []
-    with torch.no_grad():
-        for batch in batches:
-            inputs, labels, attention = layout(*batch)
-            if pipeline:  # one local batch per validation step, as in training
-                loss = pipeline.evaluate(inputs, labels, attention)
-                dist.all_reduce(loss, group=pipeline.group)  # from the last stage to every rank
-            else:
-                with contexts.forward():
-                    loss = cross_entropy(model(inputs, **attention), labels)
-                loss = (loss.to_local() if isinstance(loss, DTensor) else loss).reshape(1)
-            losses.append(loss)
-    local = torch.cat(losses).float()
-    dp = dist.get_world_size(loss_group)
-    gathered = [torch.empty_like(local) for _ in range(dp)]
-    dist.all_gather(gathered, local, group=loss_group)
-    return math.fsum(torch.cat(gathered).tolist()) / (len(batches) * dp)
-
-
 def save_probe(probe: DtypeProbe, path: str, every_rank: bool) -> None:
     """Rank 0 writes the probe's records, each with its rank: its own, or with `every_rank`
     (pipeline stages run different parts of the model) every rank's."""
@@ -214,6 +188,9 @@ def run(cfg: JobConfig) -> list[dict]:
     identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)
     check_data_sizes(cfg, corpus)
+    loss_sets = open_loss_sets(cfg, corpus.tokenizer, hf_folder(cfg))
+    suite = TaskSuite(cfg.eval, cfg.training.seq_len, corpus.tokenizer, eos_id(corpus.tokenizer)) \
+        if cfg.eval.interval and cfg.eval.tasks else None
 
     device = pick_device(cfg.training.device)
     host_memory.configure(cfg.training.host_memory, device)
@@ -222,7 +199,7 @@ def run(cfg: JobConfig) -> list[dict]:
         init_distributed(cfg, device)
     peers_answer = True
     try:
-        return _train(cfg, args, corpus, identity, device, started)
+        return _train(cfg, args, corpus, identity, device, started, loss_sets, suite)
     except CollectiveTimeout:
         peers_answer = False
         raise
@@ -235,7 +212,8 @@ def run(cfg: JobConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, started: float) -> list[dict]:
+def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, started: float, loss_sets: dict,
+           suite: TaskSuite | None) -> list[dict]:
     t = cfg.training
     rank = dist.get_rank()
     mesh, dp_mesh, loss_mesh = parallel.build_mesh(cfg, device.type)
@@ -244,7 +222,9 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                          mesh["cp"].get_local_rank(), cp)
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
     loader = BatchLoader(corpus.sources, corpus.weights, *shape, t.seed)
-    val_batches = eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None
+    evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None,
+                            {name: eval_batches(source, *shape, t.eval_steps) for name, source in loss_sets.items()}, suite)
+    groups = Groups(dp_mesh.get_group(), loss_mesh.get_group(), mesh["cp"].get_group() if cp > 1 else None)
 
     precision = resolve(cfg)
     pp = cfg.parallelism.pp > 1  # the pipeline enters loss parallelism around its whole schedule
@@ -327,23 +307,20 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 experts = expert_load.step()
-            if val_batches and (step % t.eval_interval == 0 or step == t.steps):
-                val_loss = evaluate(model, pipeline, val_batches, contexts, layout, loss_mesh.get_group())
-            else:
-                val_loss = None
+            evaluated = evaluation.run(step, model, pipeline, contexts, layout, groups, t.micro_batch_size,
+                                       dp_mesh.get_local_rank(), dp_mesh.size(), device)
             if isinstance(probe, DtypeProbe):
                 save_probe(probe, cfg.debug.dtype_probe, every_rank=pipeline is not None)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - start - evaluated.get("eval_time", 0.0)  # a step's time is training's
             if logger:
                 tokens_per_sec = tokens_per_step / elapsed
                 row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                        "tokens_per_sec": tokens_per_sec, "mfu": utilisation.mfu(step, tokens_per_sec),
                        "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
                 row.update(experts)
-                if val_loss is not None:
-                    row["val_loss"] = val_loss
+                row.update(evaluated)
                 logger.log(row)
                 rows.append(row)
             checkpointer.maybe_save(step)

@@ -327,8 +327,9 @@ def validation_text() -> str:
     return "\n\n".join([argparse.__doc__, json_module.__doc__, unittest.__doc__])
 
 
-# Validation in every shared run: 1 batch after steps 3 and 6 (torch 2.13's zbv cannot evaluate).
-VALIDATE = ["--training.eval_interval", "3", "--training.eval_steps", "1"]
+# Validation in every shared run: 1 batch after steps 3 and 6, and the bundled task's first 4
+# examples (16 requests) scored with them (torch 2.13's zbv cannot evaluate).
+VALIDATE = ["--training.eval_interval", "3", "--training.eval_steps", "1", "--eval.interval", "3", "--eval.limit", "4"]
 
 
 @pytest.fixture(scope="session")
@@ -369,6 +370,11 @@ def losses(rows: list[dict]) -> list[float]:
 
 def val_losses(rows: list[dict]) -> list[float]:
     return [row["val_loss"] for row in rows if "val_loss" in row]
+
+
+def eval_scores(rows: list[dict]) -> list[tuple[float, float]]:
+    """(gold_loss, acc) of the bundled task at each evaluation."""
+    return [(row["eval_sample_gold_loss"], row["eval_sample_acc"]) for row in rows if "eval_sample_acc" in row]
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:

@@ -8,7 +8,7 @@ pytest's summary, so a reviewer (and CI's log) sees the measured numbers, not ju
 
 import pytest
 
-from conftest import AUTOCAST, BF16, LAYOUTS, REFERENCE, REPORTS, layout_run, losses, val_losses
+from conftest import AUTOCAST, BF16, LAYOUTS, REFERENCE, REPORTS, eval_scores, layout_run, losses, val_losses
 
 pytestmark = pytest.mark.slow
 
@@ -152,9 +152,11 @@ def mode(name: str, precision: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def matrix(train_once):
-    """(layout, world, precision, max loss difference, tolerance) per row. The difference is over
-    the 6 training losses and the 2 validation losses (after steps 3 and 6; none under zbv):
-    the validation loss is a forward of the same weights, so the same tolerance bounds it."""
+    """(layout, world, precision, max loss difference, tolerance, ...) per row. The difference
+    is over the 6 training losses, the 2 validation losses (after steps 3 and 6; none under zbv)
+    and the bundled task's gold_loss at those steps (plait/evals: its 4 examples' gold choices'
+    loss per token, scored in the layout's own batches): each is a forward of the same weights,
+    so the same tolerance bounds it. The task's acc (an argmax of those scores) must be equal."""
     table = []
     for (name, precision), tolerance in TOLERANCE.items():
         reference = layout_run(train_once, REFERENCE[name], PRECISIONS[precision], mode(name, precision))[0]
@@ -164,13 +166,21 @@ def matrix(train_once):
         assert (len(val_losses(measured)), len(val_losses(reference))) == (expected_val, 2), (name, precision)
         diff = max(abs(a - b) for a, b in zip(losses(measured), losses(reference)))
         val_diff = max((abs(a - b) for a, b in zip(val_losses(measured), val_losses(reference))), default=None)
-        table.append((name, LAYOUTS[name][0], precision, max(diff, val_diff or 0), tolerance, diff, val_diff))
-    lines = ["layout           world  precision  max |loss - single|  max |val_loss - single|  tolerance"]
+        scored, expected = eval_scores(measured), eval_scores(reference)
+        assert (len(scored), len(expected)) == (expected_val, 2), (name, precision)
+        eval_diff = max((abs(a[0] - b[0]) for a, b in zip(scored, expected)), default=None)
+        acc_equal = all(a[1] == b[1] for a, b in zip(scored, expected))
+        worst = max(diff, val_diff or 0, eval_diff or 0) if acc_equal else float("inf")
+        table.append((name, LAYOUTS[name][0], precision, worst, tolerance, diff, val_diff, eval_diff))
+    lines = ["layout           world  precision  max |loss - single|  max |val_loss - single|  max |task gold_loss - "
+             "single|  tolerance"]
     lines += [f"{name:<16} {world:>5}  {precision:<9}  {diff:>19.2e}  "
-              f"{'-' if val_diff is None else f'{val_diff:.2e}':>23}  {tolerance:>9.0e}  "
+              f"{'-' if val_diff is None else f'{val_diff:.2e}':>23}  "
+              f"{'-' if eval_diff is None else f'{eval_diff:.2e}':>30}  {tolerance:>9.0e}  "
               f"{'ok' if worst <= tolerance else 'FAIL'}"
-              for name, world, precision, worst, tolerance, diff, val_diff in table]
-    REPORTS["parity matrix: max |loss - single device| over 6 steps, and of the 2 validation losses"] = "\n".join(lines)
+              for name, world, precision, worst, tolerance, diff, val_diff, eval_diff in table]
+    REPORTS["parity matrix: max |loss - single device| over 6 steps, of the 2 validation losses, and of the task "
+            "scores (FAIL also where the task's acc differs)"] = "\n".join(lines)
     return table
 
 

@@ -99,7 +99,7 @@ class MetricsLogger:
     def log(self, row: dict) -> None:
         step = row["step"]
         self.since_line.append((row["step_time"], row["mfu"]))
-        if step % self.log_interval == 0 or step in (1, self.steps) or "val_loss" in row:
+        if step % self.log_interval == 0 or step in (1, self.steps) or "eval_time" in row:
             tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # the same every step
             tokens_per_sec, mean_mfu = run_summary.mean_speed(self.since_line, tokens_per_step)
             mfu = "  n/a " if mean_mfu is None else f"{100 * mean_mfu:5.2f}%"
@@ -109,6 +109,8 @@ class MetricsLogger:
             print(f"step {step:5d} | loss {row['loss']:.4f}{val} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e}"
                   f" | {tokens_per_sec:8.0f} tok/s | mfu {mfu} | mem {row['memory_gib']:.2f} GiB"
                   + (f" | eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}" if self.steps else ""), flush=True)
+            if scores := run_summary.eval_scores(row):
+                print(f"eval {step:5d} | {scores} | {row['eval_time']:.1f} s", flush=True)
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()

@@ -44,6 +44,7 @@ def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint:
     tokens_per_sec, mfu = mean_speed([(row["step_time"], row["mfu"]) for row in timed], tokens_per_step) \
         if timed else (None, None)
     val = [row for row in rows if "val_loss" in row]
+    evaluated = [row for row in rows if any(key.startswith(("eval_", "val_loss_")) and key != "eval_time" for key in row)]
     summary = {
         "step": loader.step, "steps_run": len(rows), "loss": last.get("loss"),
         "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
@@ -54,6 +55,11 @@ def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint:
         "tokens_per_sec": tokens_per_sec, "mfu": mfu,
         "mean_over_steps": [timed[0]["step"], timed[-1]["step"]] if timed else None,
         "checkpoint": str(checkpoint) if checkpoint else None,
+        # the last scores of eval.tasks and eval.loss_sets, and the share of the run evaluations took
+        "evals": {key: value for key, value in evaluated[-1].items() if key.startswith(("eval_", "val_loss_"))
+                  and key != "eval_time"} if evaluated else {},
+        "eval_step": evaluated[-1]["step"] if evaluated else None,
+        "eval_time_s": sum(row.get("eval_time", 0.0) for row in rows),
     }
     summary["next"] = next_commands(checkpoint)
     return summary
@@ -64,6 +70,15 @@ def next_commands(checkpoint: Path | None) -> dict[str, str]:
         return {}
     return {"export": f"plait export --checkpoint {checkpoint} --out hf-{checkpoint.name}",
             "resume": f"the same plait train command with a larger --training.steps resumes from {checkpoint}"}
+
+
+def eval_scores(row: dict) -> str:
+    """A row's task scores and named validation losses, as one line shows them."""
+    tasks = [key.removesuffix("_acc").removeprefix("eval_") for key in row
+             if key.startswith("eval_") and key.endswith("_acc") and key != "eval_acc"]
+    parts = [f"{task} acc {row[f'eval_{task}_acc']:.3f} acc_norm {row[f'eval_{task}_acc_norm']:.3f}" for task in tasks]
+    parts += [f"{key} {value:.4f}" for key, value in row.items() if key.startswith("val_loss_")]
+    return " | ".join(parts)
 
 
 def lines(summary: dict) -> list[str]:
@@ -80,6 +95,10 @@ def lines(summary: dict) -> list[str]:
                f"({data})",
                f"plait: time: {summary['wall_time_s']:.1f} s in all: start-up {summary['startup_s']:.1f} s, first step "
                f"{summary['first_step_s']:.1f} s | {summary['tokens_per_sec']:,.0f} tok/s, mfu {mfu} (mean over {over})"]
+        if summary["evals"]:
+            share = summary["eval_time_s"] / summary["wall_time_s"]
+            out.append(f"plait: evals (step {summary['eval_step']}): {eval_scores(summary['evals'])} | "
+                       f"{summary['eval_time_s']:.1f} s evaluating, {100 * share:.1f}% of the run")
     else:
         out = [f"plait: done: nothing to train, the checkpoint is at step {summary['step']} already"]
     if summary["checkpoint"]:

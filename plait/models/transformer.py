@@ -136,6 +136,13 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def row_log_likelihoods(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[batch] log-likelihood of each row's labelled tokens (labels -100 are not counted), summed
+    in float64 from float32 log-probabilities."""
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    return -nll.view(labels.shape).double().sum(-1)
+
+
 def num_params(model: nn.Module, exclude_embedding: bool = False, active: bool = False) -> int:
     """Parameters of the model; `active`: those one token uses (top_k of each MoE layer's experts)."""
     total = sum(p.numel() for p in model.parameters())

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig, dp_degree, hf_folder
 from plait.models.flavors import FLAVORS, ModelArgs
-from plait.models.transformer import Transformer, cross_entropy
+from plait.models.transformer import Transformer, cross_entropy, row_log_likelihoods
 from plait.models.moe import moe_layers
 from plait.parallel import parallelize
 from plait.precision import Precision, TrainContexts
@@ -228,9 +228,13 @@ class Pipeline:
         self.module, self.stages = StageParts(parts), stages
         self.has_first, self.has_last = 0 in indices, len(ranges) - 1 in indices
         m = self.microbatches = microbatches(cfg)
+        self.scoring = False  # score(): the schedule's "loss" is each row's log-likelihood
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             with contexts.forward():  # the loss belongs to the forward, as outside pipelining
+                if self.scoring:
+                    sums = row_log_likelihoods(logits, labels)
+                    return sums.full_tensor() if isinstance(sums, DTensor) else sums
                 loss = cross_entropy(logits, labels) / m
             # Under loss parallelism a replicated DTensor; the schedule gets its local value (the
             # whole loss on every TP rank), and to_local's backward makes the gradient a DTensor.
@@ -257,6 +261,17 @@ class Pipeline:
         with torch.no_grad():
             losses = self._run(self.schedule.eval, inputs, labels, attention)
         return torch.stack(losses) if losses else torch.zeros(self.microbatches, device=self.device)
+
+    def score(self, inputs: torch.Tensor, labels: torch.Tensor, attention: dict) -> torch.Tensor:
+        """Forward only: each row's log-likelihood of its labelled tokens on the last stage's
+        ranks, else zeros."""
+        self.scoring = True
+        try:
+            with torch.no_grad():
+                sums = self._run(self.schedule.eval, inputs, labels, attention)
+        finally:
+            self.scoring = False
+        return torch.cat(sums) if sums else torch.zeros(len(inputs), dtype=torch.float64, device=self.device)
 
     def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor, attention: dict) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
