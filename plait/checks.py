@@ -123,6 +123,12 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         t.eval_interval = math.ceil(t.steps / 10)
     if t.eval_interval and not cfg.data.val_path:
         raise ConfigError("training.eval_interval: set data.val_path too (what should the validation loss be measured on?)")
+    e = cfg.eval
+    if e.interval < 0 or e.limit < 0 or e.num_fewshot < 0:
+        raise ConfigError(f"eval.interval, eval.limit, eval.num_fewshot: must be >= 0, got {e.interval}, {e.limit}, "
+                          f"{e.num_fewshot}")
+    if e.loss_sets and not e.interval:
+        raise ConfigError("eval.loss_sets: set eval.interval too (how often should their losses be measured?)")
     c = cfg.checkpoint
     if cfg.max_restarts < 0:
         raise ConfigError(f"max_restarts: must be >= 0, got {cfg.max_restarts}")

@@ -27,7 +27,7 @@ subcommands:
   seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
   generate         continue a text: plait generate --checkpoint DIR --prompt TEXT [--temperature 0]
-  eval             score a checkpoint on multiple-choice tasks: plait eval --checkpoint DIR [--eval.tasks FILE.jsonl]
+  eval             score a checkpoint on multiple-choice tasks: plait eval --checkpoint DIR [--tasks FILE.jsonl]
   bench            measure layouts x precisions side by side (plait bench --help)
   bench-context    long sequences: seq_len x (CP1, CP2) x (causal, document), tokens/s and memory
   compare          train under several layouts from one seed, compare losses (plait compare --help)

@@ -93,8 +93,8 @@ def lm_eval_scores(export, task, limit_tokens, fewshot):
 
 @pytest.mark.slow
 def test_plait_eval_scores_as_lm_evaluation_harness_does_on_the_export(tmp_path, monkeypatch):
-    """A trained checkpoint, exported: plait's per-example log-likelihoods equal lm-evaluation-harness's
-    within 1e-4 (fp32; the sums differ in order only) and acc, acc_norm, acc_bytes are equal. The
+    """A trained checkpoint, exported: plait's per-example log-likelihoods (the same from the
+    checkpoint and from the export) equal lm-evaluation-harness's within 1e-4 (fp32; the sums differ in order only) and acc, acc_norm, acc_bytes are equal. The
     task has 2-shot contexts longer than the 64-token window (left truncation), a context with a
     trailing space, and choices whose lengths in characters and bytes rank differently."""
     run_plait(tmp_path, "--training.steps", "8", "--checkpoint.folder", str(tmp_path / "run"))
@@ -107,12 +107,16 @@ def test_plait_eval_scores_as_lm_evaluation_harness_does_on_the_export(tmp_path,
     task = tmp_path / "task.jsonl"
     task.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
     samples = tmp_path / "samples.jsonl"
-    proc = subprocess.run([*PLAIT, "eval", "--checkpoint", str(tmp_path / "run"), "--eval.tasks", str(task),
-                           "--eval.num_fewshot", "2", "--max_length", "64", "--samples", str(samples), "--json"],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ours = json.loads(proc.stdout)
-    ours_lls = [json.loads(line)["log_likelihoods"] for line in samples.read_text().splitlines()]
+
+    def plait_eval(checkpoint):
+        proc = subprocess.run([*PLAIT, "eval", "--checkpoint", str(checkpoint), "--tasks", str(task), "--num_fewshot",
+                               "2", "--max_length", "64", "--samples", str(samples), "--json"],
+                              capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout), [json.loads(line)["log_likelihoods"] for line in samples.read_text().splitlines()]
+
+    ours, ours_lls = plait_eval(tmp_path / "run")  # the job folder: its newest checkpoint
+    assert plait_eval(export)[1] == ours_lls  # the Hugging Face folder of the same weights
     for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(variable, "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))

@@ -28,7 +28,7 @@ HF_RECIPE = [
     "plait export --checkpoint ckpt/ --out qwen3-continued/",
 ]
 # README.md, "your first model": tokenize a folder of documents, train with validation and a
-# checkpoint folder, plot the run, resume it with more steps, export, generate.
+# checkpoint folder, plot the run, resume it with more steps, export, generate, score the bundled task.
 FIRST_MODEL = [
     "plait tokenize --data.path my_corpus/ --out my_tokens/",
     "plait train --data.path my_tokens/ --data.val_path my_val.jsonl --checkpoint.folder my_run/ "
@@ -38,6 +38,7 @@ FIRST_MODEL = [
     "--metrics.jsonl my_run/metrics.jsonl --training.steps 80",
     "plait export --checkpoint my_run/ --out my_model/",
     'plait generate --checkpoint my_run/ --prompt "The checkpoint" --temperature 0',
+    "plait eval --checkpoint my_run/",
 ]
 # W&B as the README's step 4 adds it (offline: no account, no network)
 WANDB = ["--metrics.wandb_project", "my-first-model", "--metrics.wandb_offline"]
@@ -117,7 +118,7 @@ def test_the_readme_walks_a_first_model_through_as_written(tmp_path):
                               text=True, timeout=300, env=env)
         assert proc.returncode == 0, f"{command} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         out[command] = proc
-    first, plot, resumed, export, generate = (out[c] for c in FIRST_MODEL[1:])
+    first, plot, resumed, export, generate, scored = (out[c] for c in FIRST_MODEL[1:])
     run = tmp_path / "my_run"
     assert (run / f"step-{STEPS}" / "plait.json").is_file() and (run / "step-80" / "plait.json").is_file()
     assert f"plait: done: step {STEPS} | loss " in first.stdout and "val_loss" in first.stdout
@@ -132,6 +133,7 @@ def test_the_readme_walks_a_first_model_through_as_written(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "my_model")
     assert model(**tokenizer("The checkpoint", return_tensors="pt")).logits.isfinite().all()
     assert generate.stdout.startswith("The checkpoint") and generate.stdout.endswith("\n")
+    assert scored.stdout.splitlines()[1].split()[:2] == ["sample", "86"]
 
 
 def test_a_run_from_a_hugging_face_folder_says_its_hyperparameters_and_the_debug_defaults(recipe):

@@ -143,6 +143,12 @@ TOLERANCE = {  # (layout, precision): tolerance against the single device
     **MUON_BOUNDS,
 }
 PRECISIONS = {"fp32": [], "bf16": BF16}
+# The task's scores (plait/evals) come from batches as long as their longest request, but a
+# pipeline's are seq_len long (its stages exchange tensors of one shape): attention then runs
+# over more (masked) keys, in other blocks, and a per-token log-probability can move by its last
+# bit, in fp32 or (in bf16) in a bf16 rounding. Measured 7.0e-9 and 9.2e-9 (fp32), 6.1e-7 and
+# 1.3e-6 (bf16): bounded by the mechanisms' FP32_REORDERED and BF16_REORDERED.
+PADDED = {"fp32": FP32_REORDERED, "bf16": BF16_REORDERED}
 
 
 def mode(name: str, precision: str) -> list[str]:
@@ -156,7 +162,8 @@ def matrix(train_once):
     is over the 6 training losses, the 2 validation losses (after steps 3 and 6; none under zbv)
     and the bundled task's gold_loss at those steps (plait/evals: its 4 examples' gold choices'
     loss per token, scored in the layout's own batches): each is a forward of the same weights,
-    so the same tolerance bounds it. The task's acc (an argmax of those scores) must be equal."""
+    so the same tolerance bounds it (a pipeline's scores: PADDED). The task's acc (an argmax of
+    those scores) must be equal."""
     table = []
     for (name, precision), tolerance in TOLERANCE.items():
         reference = layout_run(train_once, REFERENCE[name], PRECISIONS[precision], mode(name, precision))[0]
@@ -169,23 +176,24 @@ def matrix(train_once):
         scored, expected = eval_scores(measured), eval_scores(reference)
         assert (len(scored), len(expected)) == (expected_val, 2), (name, precision)
         eval_diff = max((abs(a[0] - b[0]) for a, b in zip(scored, expected)), default=None)
-        acc_equal = all(a[1] == b[1] for a, b in zip(scored, expected))
-        worst = max(diff, val_diff or 0, eval_diff or 0) if acc_equal else float("inf")
-        table.append((name, LAYOUTS[name][0], precision, worst, tolerance, diff, val_diff, eval_diff))
-    lines = ["layout           world  precision  max |loss - single|  max |val_loss - single|  max |task gold_loss - "
-             "single|  tolerance"]
+        eval_tolerance = max(tolerance, PADDED[precision]) if name.startswith("pp") else tolerance
+        ok = (max(diff, val_diff or 0) <= tolerance and (eval_diff or 0) <= eval_tolerance
+              and all(a[1] == b[1] for a, b in zip(scored, expected)))
+        table.append((name, LAYOUTS[name][0], precision, ok, tolerance, diff, val_diff, eval_diff, eval_tolerance))
+    lines = ["layout           world  precision  max |loss - single|  max |val_loss - single|  tolerance  "
+             "max |task gold_loss - single|  tolerance"]
     lines += [f"{name:<16} {world:>5}  {precision:<9}  {diff:>19.2e}  "
-              f"{'-' if val_diff is None else f'{val_diff:.2e}':>23}  "
-              f"{'-' if eval_diff is None else f'{eval_diff:.2e}':>30}  {tolerance:>9.0e}  "
-              f"{'ok' if worst <= tolerance else 'FAIL'}"
-              for name, world, precision, worst, tolerance, diff, val_diff, eval_diff in table]
+              f"{'-' if val_diff is None else f'{val_diff:.2e}':>23}  {tolerance:>9.0e}  "
+              f"{'-' if eval_diff is None else f'{eval_diff:.2e}':>29}  {eval_tolerance:>9.0e}  {'ok' if ok else 'FAIL'}"
+              for name, world, precision, ok, tolerance, diff, val_diff, eval_diff, eval_tolerance in table]
     REPORTS["parity matrix: max |loss - single device| over 6 steps, of the 2 validation losses, and of the task "
             "scores (FAIL also where the task's acc differs)"] = "\n".join(lines)
     return table
 
 
 def test_every_layout_matches_the_single_device(matrix):
-    failures = [(name, precision, diff) for name, _, precision, diff, tolerance, *_ in matrix if diff > tolerance]
+    failures = [(name, precision, diff, val_diff, eval_diff)
+                for name, _, precision, ok, _, diff, val_diff, eval_diff, _ in matrix if not ok]
     assert not failures, failures
 
 

@@ -61,16 +61,17 @@ def open_loss_sets(cfg: JobConfig, tokenizer: Tokenizer, hf_start: Path | None) 
 class TaskSuite:
     """eval.tasks, tokenized once at start-up into requests of at most training.seq_len inputs."""
 
-    def __init__(self, e: Eval, seq_len: int, tokenizer: Tokenizer, eos: int):
-        if e.limit < 0 or e.num_fewshot < 0 or e.interval < 0:
-            raise ConfigError(f"eval.interval, eval.limit, eval.num_fewshot: must be >= 0, got {e.interval}, {e.limit}, "
-                              f"{e.num_fewshot}")
-        self.tasks: list[Task] = [load_task(spec) for spec in dict.fromkeys(e.tasks)]
+    def __init__(self, e: Eval, seq_len: int, tokenizer: Tokenizer, eos: int, options: str = "eval.",
+                 window_option: str = "training.seq_len"):
+        """`options`: the prefix of the options' names in messages (`plait eval` has none)."""
+        if e.limit < 0 or e.num_fewshot < 0:
+            raise ConfigError(f"{options}limit, {options}num_fewshot: must be >= 0, got {e.limit}, {e.num_fewshot}")
+        self.tasks: list[Task] = [load_task(spec, f"{options}tasks") for spec in dict.fromkeys(e.tasks)]
         if len({task.name for task in self.tasks}) < len(self.tasks):
-            raise ConfigError(f"eval.tasks: two tasks share a name {[task.name for task in self.tasks]}: metrics are "
-                              "named by the file's stem")
+            raise ConfigError(f"{options}tasks: two tasks share a name {[task.name for task in self.tasks]}: metrics "
+                              "are named by the file's stem")
         self.requests = [requests(task, tokenizer, eos, seq_len, e.limit, e.num_fewshot, e.target_delimiter,
-                                  e.fewshot_delimiter) for task in self.tasks]
+                                  e.fewshot_delimiter, options, window_option) for task in self.tasks]
         self.seq_len, self.pad = seq_len, eos
 
     def evaluate(self, forward, rows: int, device: torch.device, granule: int | None, dp_rank: int = 0, dp: int = 1,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -27,7 +27,17 @@ from plait.models.transformer import row_log_likelihoods
 class EvalArgs:
     checkpoint: str
     """a plait checkpoint, a job folder (its newest complete checkpoint) or a Hugging Face folder"""
-    eval: Eval = field(default_factory=Eval)
+    tasks: tuple[str, ...] = ("sample",)
+    """multiple-choice tasks: .jsonl files of {"context": str, "choices": [str, ...], "gold": index} per line, or
+    a bundled task's name (sample)"""
+    limit: int = 0
+    """score the first N examples of each task; 0 = all"""
+    num_fewshot: int = 0
+    """examples with their answers before each question: the task's first N others"""
+    target_delimiter: str = " "
+    """between a question and its answer"""
+    fewshot_delimiter: str = "\n\n"
+    """after each few-shot example"""
     max_length: int = 0
     """tokens a request may hold (longer ones keep their last ones); 0 = the model's positions"""
     batch_size: int = 8
@@ -44,12 +54,15 @@ def main(argv: list[str]) -> int:
     opts = parse(EvalArgs, argv, "plait eval")
     if opts.batch_size < 1 or opts.max_length < 0:
         raise ConfigError(f"batch_size must be >= 1 and max_length >= 0; got {opts.batch_size}, {opts.max_length}")
-    if not opts.eval.tasks:
-        raise ConfigError("eval.tasks: give at least one task (a .jsonl file or a bundled name: sample)")
+    if not opts.tasks:
+        raise ConfigError("tasks: give at least one task (a .jsonl file or a bundled name: sample)")
     model, tokenizer = load(Path(opts.checkpoint))
     model.to(getattr(torch, opts.dtype))
     window = opts.max_length or model.args.max_seq_len
-    suite = TaskSuite(opts.eval, window, tokenizer, eos_id(tokenizer, "checkpoint"))
+    chosen = Eval(tasks=opts.tasks, limit=opts.limit, num_fewshot=opts.num_fewshot,
+                  target_delimiter=opts.target_delimiter, fewshot_delimiter=opts.fewshot_delimiter)
+    suite = TaskSuite(chosen, window, tokenizer, eos_id(tokenizer, "checkpoint"), options="",
+                      window_option="max_length: the model's positions unless given")
     start = time.perf_counter()
 
     def forward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

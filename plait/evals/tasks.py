@@ -111,10 +111,12 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str, prefix: i
 
 
 def requests(task: Task, tokenizer: Tokenizer, prefix: int, window: int, limit: int, num_fewshot: int,
-             target_delimiter: str, fewshot_delimiter: str) -> list[Request]:
-    """Every choice of the task's first `limit` examples (0: all) as a request of at most `window` inputs."""
+             target_delimiter: str, fewshot_delimiter: str, options: str = "eval.",
+             window_option: str = "training.seq_len") -> list[Request]:
+    """Every choice of the task's first `limit` examples (0: all) as a request of at most `window`
+    inputs; `options`: the prefix of the options' names in messages."""
     if num_fewshot >= len(task.examples):
-        raise ConfigError(f"eval.num_fewshot: {num_fewshot} needs more examples than task {task.name}'s "
+        raise ConfigError(f"{options}num_fewshot: {num_fewshot} needs more examples than task {task.name}'s "
                           f"{len(task.examples)}; allowed: 0..{len(task.examples) - 1}")
     out = []
     for i in range(min(limit, len(task.examples)) if limit else len(task.examples)):
@@ -122,8 +124,8 @@ def requests(task: Task, tokenizer: Tokenizer, prefix: int, window: int, limit: 
         for j, choice in enumerate(task.examples[i].choices):
             head, tail = encode_pair(tokenizer, context, target_delimiter + choice, prefix)
             if not tail or len(tail) > window:
-                raise ConfigError(f"eval.tasks: {task.name} example {i} choice {j} is {len(tail)} tokens; allowed: "
-                                  f"1..{window} (training.seq_len)")
+                raise ConfigError(f"{options}tasks: {task.name} example {i} choice {j} is {len(tail)} tokens; allowed: "
+                                  f"1..{window} ({window_option})")
             tokens = (head + tail)[-(window + 1):]
             out.append(Request(i, j, tokens[:-1], tail))
     return out

@@ -56,6 +56,10 @@ def check_pipeline(cfg: JobConfig) -> None:
         raise ConfigError(f"parallelism.dp_backend: {p.dp_backend} cannot run under pipeline parallelism (the schedule "
                           "holds gradient reduction back to a stage's last micro-batch for fully_shard modules only, "
                           "so every micro-batch would reduce); allowed with pp > 1: fsdp2 (DDP, FSDP2, HSDP)")
+    if p.pp_schedule == "zbv" and cfg.eval.interval:
+        raise ConfigError("eval.interval: torch 2.13's zbv schedule runs backward actions in its forward-only eval and "
+                          "fails, so it cannot evaluate; allowed with evaluations: gpipe, 1f1b, interleaved_1f1b, "
+                          "interleaved_zb")
     if p.pp_schedule == "zbv" and t.eval_interval:
         # (named by data.val_path: with it, eval_interval is on whether the user set it or not)
         raise ConfigError("data.val_path: torch 2.13's zbv schedule runs backward actions in its forward-only eval and "
