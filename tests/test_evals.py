@@ -150,3 +150,18 @@ def test_the_default_job_learns_the_bundled_task_and_scores_named_validation_set
     summary = json.loads(metrics.with_suffix(".summary.json").read_text())
     assert summary["evals"]["eval_sample_acc"] == scored[-1]["eval_sample_acc"] and summary["eval_step"] == 60
     assert summary["eval_time_s"] == pytest.approx(sum(row.get("eval_time", 0) for row in rows))
+
+
+def test_plot_draws_the_task_scores_and_named_losses_of_runs_that_have_them(tmp_path):
+    from plait.metrics.plot import PANELS, panels, plot_runs
+
+    plain = [{"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 10.0}]
+    assert panels([plain]) == PANELS
+    scored = [*plain, {**plain[0], "step": 2, "val_loss_web": 2.5, "eval_sample_acc": 0.5, "eval_acc": 0.5}]
+    drawn = panels([plain, scored])
+    assert drawn[0][2] == ("loss", "val_loss", "val_loss_web")
+    assert drawn[-1] == ("downstream tasks (plait/evals)", "acc", ("eval_sample_acc",))
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in scored))
+    plot_runs([metrics], tmp_path / "run.png")
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"

@@ -19,9 +19,19 @@ PANELS = [("loss", "loss", ("loss", "val_loss")), ("learning rate", "lr", ("lr",
           ("throughput", "tokens/s", ("tokens_per_sec",))]
 
 
+def panels(runs: list[list[dict]]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """PANELS, with the named validation sets' losses beside val_loss and, where a run scored
+    tasks (plait/evals), a panel of each task's acc."""
+    keys = list(dict.fromkeys(key for rows in runs for row in rows for key in row))
+    named = tuple(k for k in keys if k.startswith("val_loss_"))
+    tasks = tuple(k for k in keys if k.startswith("eval_") and k.endswith("_acc") and k != "eval_acc")
+    drawn = [(title, ylabel, keys + named if ylabel == "loss" else keys) for title, ylabel, keys in PANELS]
+    return drawn + ([("downstream tasks (plait/evals)", "acc", tasks)] if tasks else [])
+
+
 @dataclass
 class PlotArgs:
-    """Draw loss, val_loss, lr, grad_norm and tokens/s against step from metrics.jsonl files (one run each)."""
+    """Draw loss, val_loss, lr, grad_norm, tokens/s (and task scores) against step from metrics.jsonl files (one run each)."""
 
     files: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="METRICS.jsonl [MORE.jsonl ...]")]
     """the metrics.jsonl of each run to draw; several are overlaid, one colour each"""
@@ -56,20 +66,26 @@ def plot_runs(paths: list[Path], out: Path) -> list[list[dict]]:
     import matplotlib.pyplot as plt
 
     runs = [read_rows(p) for p in paths]
-    fig, axes = plt.subplots(2, 2, sharex=True, figsize=(11, 7))
-    for (title, ylabel, keys), ax in zip(PANELS, axes.flat):
+    drawn = panels(runs)
+    columns = (len(drawn) + 1) // 2
+    fig, axes = plt.subplots(2, columns, sharex=True, figsize=(5.5 * columns, 7), squeeze=False)
+    for ax in axes.flat[len(drawn):]:
+        ax.set_visible(False)
+    for (title, ylabel, keys), ax in zip(drawn, axes.flat):
         for i, (label, rows) in enumerate(zip(labels(paths), runs)):
             for key in keys:
                 points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
                 if points:
-                    style = {"marker": "o", "linestyle": "--"} if key == "val_loss" else {}
+                    style = {"marker": "o", "linestyle": "--"} if key.startswith(("val_loss", "eval_")) else {}
                     ax.plot(*zip(*points), color=f"C{i % 10}", label=f"{label} {key}" if len(keys) > 1 else label,
                             **style)
         ax.set(title=title, ylabel=ylabel)
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize="small")
-    for ax in axes[1]:
+    for column in axes.T:  # each column's lowest panel shows the steps
+        ax = column[1] if column[1].get_visible() else column[0]
+        ax.xaxis.set_tick_params(labelbottom=True)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     fig.tight_layout()
