@@ -2,9 +2,9 @@
 
 Everything a score depends on is prepared before any process group exists (task files read and
 checked, every request tokenized), so a bad task file fails at start-up in one line. At an
-evaluation each data-parallel rank forwards its share of the requests in batches of the
-training's shape (a pipeline runs them through its schedule, context parallelism splits them
-as it splits training sequences), and the per-request log-likelihoods are gathered: every
+evaluation each data-parallel rank forwards its share of the requests, micro_batch_size rows
+at a time (a pipeline runs them through its schedule, context parallelism splits them as it
+splits training sequences), and the per-request log-likelihoods are gathered: every
 layout scores every request, and the same model gives the same scores in each.
 """
 
