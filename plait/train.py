@@ -27,7 +27,7 @@ from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, c
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
-from plait.evals import Evaluation, Groups, TaskSuite, open_loss_sets
+from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, open_loss_sets
 from plait.expert_load import ExpertLoad
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.hyperparameters import hf_start_lines
@@ -158,13 +158,8 @@ def check_data_sizes(cfg: JobConfig, corpus) -> None:
     t = cfg.training
     BatchLoader(corpus.sources, corpus.weights, t.seq_len, t.global_batch_size, t.micro_batch_size, 0, dp_degree(cfg),
                 t.seed)
-    if t.eval_interval and (sequences := (len(corpus.val) - 1) // t.seq_len) < t.eval_steps * t.global_batch_size:
-        fits = sequences // t.global_batch_size
-        raise ConfigError(f"data.val_path: {corpus.val.label} has {sequences} sequences of training.seq_len={t.seq_len}, "
-                          f"fewer than training.eval_steps x global_batch_size = {t.eval_steps} x {t.global_batch_size} = "
-                          f"{t.eval_steps * t.global_batch_size}: " + (f"--training.eval_steps {fits} fits" if fits else
-                          "not even one global batch: more validation text, or a smaller training.global_batch_size or "
-                          "seq_len"))
+    if t.eval_interval:
+        check_holds_eval_steps(corpus.val, f"data.val_path: {corpus.val.label}", t)
 
 
 def run(cfg: JobConfig) -> list[dict]:

@@ -49,13 +49,21 @@ def open_loss_sets(cfg: JobConfig, tokenizer: Tokenizer, hf_start: Path | None) 
             raise ConfigError(f"eval.loss_sets: the name {name!r} is given twice")
         if not Path(path).exists():
             raise ConfigError(f"eval.loss_sets: {path!r} ({name}) does not exist")
-        source = open_source(path, cfg.data, tokenizer, f"eval.loss_sets ({name})", hf_start=hf_start)
-        if (sequences := (len(source) - 1) // t.seq_len) < t.eval_steps * t.global_batch_size:
-            raise ConfigError(f"eval.loss_sets: {name} ({path}) has {sequences} sequences of training.seq_len="
-                              f"{t.seq_len}, fewer than training.eval_steps x global_batch_size = "
-                              f"{t.eval_steps * t.global_batch_size}")
-        sets[name] = source
+        sets[name] = open_source(path, cfg.data, tokenizer, f"eval.loss_sets ({name})", hf_start=hf_start)
+        check_holds_eval_steps(sets[name], f"eval.loss_sets: {name} ({path})", t)
     return sets
+
+
+def check_holds_eval_steps(source, what: str, t) -> None:
+    """A validation source holds training.eval_steps global batches of sequences; else one line
+    naming the eval_steps that fit."""
+    if (sequences := (len(source) - 1) // t.seq_len) < t.eval_steps * t.global_batch_size:
+        fits = sequences // t.global_batch_size
+        raise ConfigError(f"{what} has {sequences} sequences of training.seq_len={t.seq_len}, fewer than "
+                          f"training.eval_steps x global_batch_size = {t.eval_steps} x {t.global_batch_size} = "
+                          f"{t.eval_steps * t.global_batch_size}: " + (f"--training.eval_steps {fits} fits" if fits else
+                          "not even one global batch: more validation text, or a smaller training.global_batch_size or "
+                          "seq_len"))
 
 
 class TaskSuite:
@@ -99,10 +107,11 @@ class TaskSuite:
             length = self.seq_len if granule is None else min(self.seq_len, -(-longest // granule) * granule)
             inputs, labels = self.batch(share, rows, length)
             local.append(forward(inputs.to(device), labels.to(device)).double())
-        gathered = [torch.cat(local)]
+        local = torch.cat(local)
+        gathered = [local]
         if dp > 1:
-            gathered = [torch.empty_like(gathered[0]) for _ in range(dp)]
-            dist.all_gather(gathered, torch.cat(local), group=group)
+            gathered = [torch.empty_like(local) for _ in range(dp)]
+            dist.all_gather(gathered, local, group=group)
         # sorted request j: step j // per_step, rank (j % per_step) // rows, row j % rows of that rank's batch
         in_order = torch.stack(gathered).view(dp, steps, rows).transpose(0, 1).reshape(-1).tolist()
         values = [0.0] * len(flat)

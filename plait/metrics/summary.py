@@ -44,7 +44,7 @@ def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint:
     tokens_per_sec, mfu = mean_speed([(row["step_time"], row["mfu"]) for row in timed], tokens_per_step) \
         if timed else (None, None)
     val = [row for row in rows if "val_loss" in row]
-    evaluated = [row for row in rows if any(key.startswith(("eval_", "val_loss_")) and key != "eval_time" for key in row)]
+    evaluated = [row for row in rows if any(map(is_score, row))]
     summary = {
         "step": loader.step, "steps_run": len(rows), "loss": last.get("loss"),
         "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
@@ -56,8 +56,7 @@ def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint:
         "mean_over_steps": [timed[0]["step"], timed[-1]["step"]] if timed else None,
         "checkpoint": str(checkpoint) if checkpoint else None,
         # the last scores of eval.tasks and eval.loss_sets, and the share of the run evaluations took
-        "evals": {key: value for key, value in evaluated[-1].items() if key.startswith(("eval_", "val_loss_"))
-                  and key != "eval_time"} if evaluated else {},
+        "evals": {key: value for key, value in evaluated[-1].items() if is_score(key)} if evaluated else {},
         "eval_step": evaluated[-1]["step"] if evaluated else None,
         "eval_time_s": sum(row.get("eval_time", 0.0) for row in rows),
     }
@@ -70,6 +69,11 @@ def next_commands(checkpoint: Path | None) -> dict[str, str]:
         return {}
     return {"export": f"plait export --checkpoint {checkpoint} --out hf-{checkpoint.name}",
             "resume": f"the same plait train command with a larger --training.steps resumes from {checkpoint}"}
+
+
+def is_score(key: str) -> bool:
+    """A row's task score or named validation loss (plait/evals), not the evaluation's time."""
+    return key.startswith(("eval_", "val_loss_")) and key != "eval_time"
 
 
 def eval_scores(row: dict) -> str:
