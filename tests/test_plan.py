@@ -183,15 +183,69 @@ def test_full_checkpointing_adds_no_collectives_under_fsdp2(train_once):
 
 
 def test_plan_lists_fitting_layouts_best_first_as_json(capsys):
-    code = main(["plan", "--world", "4", "--device_memory_gib", "1", "--json", *TINY])
+    code = main(["plan", "--world", "4", "--device_memory_gib", "1", "--json", "--top", "0", *TINY])
     out = capsys.readouterr()
-    rows = json.loads(out.out)
-    assert code == 0 and "plan: best:" in out.err
-    assert {"layout", "activation_checkpoint", "state_gib", "activations_gib", "buffers_gib", "total_gib",
-            "comm_bytes", "fits", "step_seconds"} <= set(rows[0])
+    result = json.loads(out.out)
+    rows = result["rows"]
+    assert code == 0 and "plan: best:" in out.err and "plan: run it: plait train --nproc 4 " in out.err
+    assert {"layout", "activation_checkpoint", "micro_batch_size", "state_gib", "activations_gib", "buffers_gib",
+            "total_gib", "comm_bytes", "fits", "step_seconds", "tokens_per_second_per_device", "mfu"} <= set(rows[0])
     assert {(r["layout"], r["activation_checkpoint"]) for r in rows} >= \
         {("dp_replicate=1,dp_shard=4,tp=1,pp=1", mode) for mode in plan.AC_MODES}
     assert all(r["fits"] for r in rows) and rows == sorted(rows, key=lambda r: r["step_seconds"])
+    # every micro-batch size of the local batch, and cp, are searched; each row's speed is its step's
+    assert {r["micro_batch_size"] for r in rows if r["layout"] == "dp_replicate=1,dp_shard=2,cp=2,tp=1,pp=1"} == {1, 2}
+    assert any(",cp=2," in r["layout"] for r in rows)
+    assert all(r["tokens_per_second_per_device"] == pytest.approx(4 * 64 / r["step_seconds"] / 4) for r in rows)
+    # the header states what the numbers rest on: batch, precision, device and the source of its speeds
+    header = result["assumptions"]
+    assert "global batch 4 x seq 64 = 256 tokens" in header["batch"] and "float32" in header["precision"]
+    assert "H100 SXM data sheet" in header["speeds"] and result["rows_total"] == len(rows)
+    assert result["command"].startswith("plait train --nproc 4 --training.threads 1 ") and \
+        f"--activation_checkpoint.mode {rows[0]['activation_checkpoint']}" in result["command"]
+
+
+def test_plan_prints_the_top_rows_with_speed_and_the_command_of_the_best(capsys):
+    """A table of --top rows, tokens/s per device and MFU columns; beyond one node, torchrun per node."""
+    assert main(["plan", "--world", "16", "--device_memory_gib", "80", "--top", "3", *TINY]) == 0
+    out = capsys.readouterr().out
+    table = out.split("layout ")[1].split("(GiB per rank")[0].strip().splitlines()
+    assert "tok/s/dev" in table[0] and "MFU" in table[0] and len(table) == 4
+    assert "more rows: --top 0 prints them all" in out
+    assert "plan: run it: torchrun --nnodes 2 --nproc-per-node 8 " in out and "-m plait train " in out
+
+
+def test_a_mixture_of_experts_plan_searches_ep_and_counts_its_all_to_alls(capsys):
+    """ep splits the experts instead of FSDP2 gathering them: its rows trade expert all-gathers
+    for token all-to-alls (balanced routing), which the plan counts."""
+    assert main(["plan", "--world", "4", "--device_memory_gib", "80", "--json", "--top", "0", *TINY,
+                 "--model.flavor", "debug_moe"]) == 0
+    rows = {(r["layout"], r["activation_checkpoint"], r["micro_batch_size"]): r
+            for r in json.loads(capsys.readouterr().out)["rows"]}
+    plain = rows["dp_replicate=1,dp_shard=4,tp=1,pp=1", "none", 1]
+    experts = rows["dp_replicate=1,dp_shard=4,tp=1,pp=1,ep=4", "none", 1]
+    assert "forward all_to_all" not in plain["comm_by_collective"]
+    # debug_moe: 2 MoE blocks, 2 x 64 tokens per micro-batch x top 2 x dim 128 x 4 bytes, out and back
+    assert experts["comm_by_collective"]["forward all_to_all"] == 2 * 2 * 64 * 2 * 128 * 4
+    assert experts["comm_by_collective"]["forward all_gather"] < plain["comm_by_collective"]["forward all_gather"]
+    assert experts["state_gib"] == plain["state_gib"]  # E / (dp_shard x cp) experts' worth either way
+
+
+def test_calibrations_and_their_errors(tmp_path, capsys):
+    from plait.config import ConfigError
+    from plait.plan.calibration import at, data_sheet, load
+
+    h100 = data_sheet("h100")
+    assert h100.peak["bfloat16"] == 989.5e12 and not h100.elementwise
+    assert at([(1.0, 1.0), (100.0, 100.0)], 10.0) == pytest.approx(10.0)  # log-log between points, flat beyond
+    assert at([(1.0, 1.0), (100.0, 100.0)], 1e6) == 100.0
+    with pytest.raises(ConfigError, match="device: 'tpu' unknown; allowed: h100, h200, b200, cpu"):
+        load("tpu", "")
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["plan", "--world", "2", "--device_memory_gib", "1", "--calibration", str(tmp_path / "bad.json"),
+                 *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a plait doctor --json report" in err
 
 
 def test_plan_says_what_would_be_needed_when_nothing_fits(capsys):
@@ -204,3 +258,14 @@ def test_plan_refuses_a_world_no_layout_divides(capsys):
     code = main(["plan", "--world", "3", "--device_memory_gib", "80", *TINY])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "no layout of 3 ranks" in err
+
+
+def test_the_manual_shows_what_plan_prints(capsys):
+    """docs/plan.md's example is this command's output (the data sheet's numbers: no machine in it)."""
+    from conftest import ROOT
+
+    page = (ROOT / "docs" / "plan.md").read_text()
+    command = page.split("```bash\n")[1].splitlines()[0].split()
+    assert command[:2] == ["plait", "plan"] and main(command[1:]) == 0
+    shown = page.split("regenerates it and fails if this page drifts):\n\n```text\n")[1].split("\n```")[0]
+    assert shown == capsys.readouterr().out.rstrip()

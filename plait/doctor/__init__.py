@@ -74,9 +74,11 @@ def run(cfg: DoctorConfig) -> int:
                  ("corruption", lambda: machine.corruption_checks(device, every_fact)),
                  ("network", lambda: network.collective_checks(device, budget * 0.7, node) +
                   [network.latency_check(device)] if world > 1 else []),
-                 ("training", lambda: job_checks.training_checks(job, alone, every_fact, layout(job))),
+                 ("calibration", lambda: calibrate(job, checks, every_fact, device, local_world, calibration)),
+                 ("training", lambda: job_checks.training_checks(job, alone, every_fact, layout(job),
+                                                                 predicted(job, calibration, local_world))),
                  ("storage", lambda: job_checks.storage_checks(job, cfg.checkpoint.folder, node, device))]
-        checks = []
+        checks, calibration = [], {}
         for area, measure in areas:
             begin = time.perf_counter()
             checks += measure()
@@ -84,19 +86,54 @@ def run(cfg: DoctorConfig) -> int:
         verdict = torch.tensor([int(worst(checks) == FAIL)], device=device)
         dist.broadcast(verdict, src=0)  # rank 0 alone holds the training rows
         if dist.get_rank() == 0:
-            report(cfg, job, checks, every_fact, local_world, seconds, time.perf_counter() - start)
+            report(cfg, job, checks, every_fact, local_world, seconds, time.perf_counter() - start, calibration)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return int(verdict.item())
 
 
+def calibrate(job: JobConfig, checks: list, every_fact: list[dict], device: torch.device, local_world: int,
+              out: dict) -> list:
+    """What `plait plan --calibration` reads (into `out`): the compute and network numbers measured
+    above, and the element-wise speed of one block of the job's model, timed on every rank at once."""
+    from plait.plan import model_shape
+    from plait.plan.calibration import GLOO_BUSBW, KINDS, Calibration, doctor_calibration
+    from plait.plan.speed import measured_elementwise
+
+    numbers = next(c.values["calibration_per_rank"] for c in checks if c.name == "compute: float32 matmul")
+    network = {(c.name.split("(")[1].split(",")[0], c.name.split()[1]): c.values["sizes"]
+               for c in checks if c.name.startswith("network: ") and "," in c.name}
+    pairs = next((c.values["seconds_per_pair"] for c in checks if c.name == "network: point-to-point latency"), {})
+    latency = sorted(pairs.values())[len(pairs) // 2] if pairs else 0.0
+    world = len(every_fact)
+    out.update(doctor_calibration(every_fact[0]["device"], numbers, network, latency,
+                                  max(1, world // local_world), world))
+    if not network:  # one rank: no link measured, gloo's stated default where a plan needs one
+        out["collectives"] = out["inter_node"] = {kind: [(float(2**20), GLOO_BUSBW)] for kind in KINDS}
+    args, t = model_shape(job), job.training
+    for dtype in (torch.float32, torch.bfloat16)[:1 + every_fact[0]["bf16"]]:
+        out["elementwise"][str(dtype).removeprefix("torch.")] = measured_elementwise(
+            args, t.micro_batch_size * t.seq_len, t.seq_len, device, dtype, Calibration(**out))
+    return []
+
+
+def predicted(job: JobConfig, calibration: dict, local_world: int) -> float:
+    """`plait plan`'s tokens/s for the doctor's job with the doctor's own calibration."""
+    from plait.plan import model_shape
+    from plait.plan.calibration import Calibration
+    from plait.plan.search import predict_job
+
+    row = predict_job(model_shape(job), job, world_size(), float("inf"), Calibration(**calibration), local_world)
+    return row.tokens_per_second_per_device * world_size()
+
+
 def report(cfg: DoctorConfig, job: JobConfig, checks, every_fact: list[dict], local_world: int,
-           seconds: dict[str, float], total: float) -> None:
+           seconds: dict[str, float], total: float, calibration: dict) -> None:
     ranks, nodes = len(every_fact), max(1, len(every_fact) // local_world)
     header = {"ranks": ranks, "nodes": nodes, "device": every_fact[0]["device"], "job": layout(job),
               "flavor": job.model.flavor, "steps": job.training.steps, "seconds": round(total, 1),
-              "seconds_per_area": {area: round(s, 2) for area, s in seconds.items()}}
+              "seconds_per_area": {area: round(s, 2) for area, s in seconds.items()}, "calibration": calibration}
     print(f"plait doctor: {ranks} rank(s) on {nodes} node(s), {every_fact[0]['device']}; job {job.model.flavor}, "
           f"{layout(job)}, {job.training.steps} steps; {total:.0f} s (" +
           ", ".join(f"{area} {s:.1f}" for area, s in seconds.items()) + ")\n")

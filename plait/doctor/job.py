@@ -94,10 +94,11 @@ def bound(job: JobConfig) -> float:
     return max(BOUND.get(compute, BOUND[torch.bfloat16]), FLOAT8_BOUND if job.training.float8 != "none" else 0.0)
 
 
-def training_checks(job: JobConfig, alone: list[dict] | str, every_fact: list[dict], layout: str) -> list[Check]:
+def training_checks(job: JobConfig, alone: list[dict] | str, every_fact: list[dict], layout: str,
+                    predicted: float) -> list[Check]:
     """Run the job on the doctor's process group; its losses against rank 0's reference, the
     references against each other (bitwise: one device model runs one computation), and its
-    speed."""
+    speed beside what `plait plan` predicts from this doctor's calibration."""
     answers = gather(alone if isinstance(alone, str) else [(r["loss"].hex(), r["grad_norm"].hex()) for r in alone])
     failed = [rank for rank, a in enumerate(answers) if isinstance(a, str)]
     differ = peers_differ(every_fact, [str(a) for a in answers]) if not failed else []
@@ -130,8 +131,9 @@ def training_checks(job: JobConfig, alone: list[dict] | str, every_fact: list[di
     later = rows[1:] or rows  # the first step compiles, warms caches
     speed = statistics.median(r["tokens_per_sec"] for r in later)
     mfu = statistics.median(r["mfu"] for r in later)
-    checks.append(Check("training: throughput", f"{speed:,.0f} tokens/s, MFU {mfu:.1%} (median of steps 2-{len(rows)})",
-                        "reported", PASS, [], {"tokens_per_sec": speed, "mfu": mfu}))
+    checks.append(Check("training: throughput", f"{speed:,.0f} tokens/s, MFU {mfu:.1%} (median of steps 2-{len(rows)}); "
+                        f"plait plan predicts {predicted:,.0f} ({predicted / speed:.2f}x)", "reported", PASS, [],
+                        {"tokens_per_sec": speed, "mfu": mfu, "predicted_tokens_per_sec": predicted}))
     return checks
 
 

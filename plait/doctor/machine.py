@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import platform
 import socket
-import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from plait.doctor.report import FAIL, PASS, WARN, Check, odd_ones, rank_list, slow_ones
 from plait.float8 import native_float8
 from plait.hardware import data_sheet_flops, device_name, native_bf16
+from plait.plan.calibration import measure_compute
 
 SLOW_RANK = 0.5  # a rank under half the median speed of its peers: throttled, or faulty
 LOW_SHARE = 0.3  # under 30% of the data sheet's peak at the largest shape: a misconfigured device
@@ -71,36 +71,14 @@ def hardware_checks(every: list[dict]) -> list[Check]:
     return checks
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float) -> float:
-    """The best FLOP/s of square matmuls at a few large shapes, each repeated within its share of
-    `seconds`; a shape one repeat of which would not fit (bf16 emulated on a CPU) is left out."""
-    sizes = (4096, 8192) if device.type == "cuda" else (512, 1024)
-    best, rate = 0.0, None
-    for n in sizes:
-        flops = 2 * n**3
-        if rate and flops / rate > seconds / len(sizes):
-            break
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        torch.matmul(a, b)  # warm-up: kernel choice, caches
-        synchronize(device)
-        spent = 0.0
-        while spent < seconds / len(sizes):
-            begin = time.perf_counter()
-            torch.matmul(a, b)
-            synchronize(device)
-            elapsed = time.perf_counter() - begin
-            spent += elapsed
-            best = max(best, flops / elapsed)
-        rate = best
-    return best
-
-
 def compute_checks(device: torch.device, seconds: float) -> list[Check]:
+    """Each rank's matmul speed (the best of its curve) per dtype; every compute number `plait
+    plan --calibration` uses (matmul and memory speed by size, time per operator) in the data."""
+    numbers = gather(measure_compute(device, seconds))
     checks = []
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
-        every = gather(matmul_flops(device, dtype, seconds / 2))
+        every = [max(rate for _, rate in n["matmul"][name]) for n in numbers]
         slow = slow_ones(every, SLOW_RANK)
         median = sorted(every)[len(every) // 2]
         slowest = every.index(min(every))
@@ -115,7 +93,8 @@ def compute_checks(device: torch.device, seconds: float) -> list[Check]:
         if slow:
             text += "; slow: " + ", ".join(f"rank {r} {every[r] / 1e12:.3g}" for r in slow)
         checks.append(Check(f"compute: {name} matmul", text, threshold, WARN if slow or low else PASS, slow,
-                            {"flops_per_rank": every, "peak": peak}))
+                            {"flops_per_rank": every, "peak": peak, **({"calibration_per_rank": numbers} if
+                                                                        dtype == torch.float32 else {})}))
     return checks
 
 

@@ -1,18 +1,16 @@
 """Per-rank communication of a layout, from the model's shapes: the bytes of every collective
 per step by kind and mesh dimension (exactly what `plait trace` counts, for every layout the
-tests run), and a roofline step time from them and the device's peak.
+tests run; expert parallelism's all-to-alls under balanced routing). Their time: speed.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 
 from plait import float8
 from plait.config import JobConfig, dp_degree
 from plait.models.flavors import ModelArgs
-from plait.models.transformer import flops_per_token
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
                                rank_parameters, rank_stages, units)
@@ -33,7 +31,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     from plait.parallel.pipeline import microbatches
 
     p, t = cfg.parallelism, cfg.training
-    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
     params = rank_parameters(args, cfg, stages)
     grouped = units(params)
     local_batch = t.global_batch_size // dp_degree(cfg)
@@ -124,55 +122,17 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     # over each of its dimensions, and the stages' sums over pp.
     kinds = {(layout.shard > 1, p.tp > 1 and name.endswith(COLWISE + ROWWISE)) for name in params}
     out["step", "all_reduce", "scalars"] += 4 * (2 + (p.pp > 1)) + 8 * sum(map(sum, kinds)) + 8 * (p.pp > 1)
+    if p.ep > 1 and args.n_experts:
+        # Each MoE block sends every token's top_k copies to their experts' ranks and back by
+        # all-to-all, in forward and again in backward (a checkpointed block's forward too):
+        # the whole buffer as the trace counts it, when routing is balanced.
+        ac = cfg.activation_checkpoint
+        moe = [b for b in block_indices(blocks) if args.sparse(b)]
+        again = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & set(moe))
+        copies = passes * tokens * args.top_k * args.dim * e
+        out["forward", "all_to_all", "ep"] += 2 * len(moe) * copies
+        out["backward", "all_to_all", "ep"] += 2 * (len(moe) + again) * copies
     if args.n_experts:  # the step's expert load (int64 per layer and expert) and auxiliary loss; their pp reductions
         moe_blocks = sum(map(args.sparse, block_indices(blocks)))
         out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 8 + (8 + 16) * (p.pp > 1)
     return out
-
-
-@dataclass(frozen=True)
-class Hardware:
-    peak_tflops: float
-    node_size: int
-    intra_node_gbps: float
-    inter_node_gbps: float
-
-
-def link_seconds(kind: str, dim: str, n: int, cfg: JobConfig, hw: Hardware) -> float:
-    """Seconds to move `n` bytes of one collective over a ring of a mesh dimension: gathers and
-    scatters move (g-1)/g of the buffer per rank, all-reduces twice that, point-to-point all of
-    it; within a node at NVLink speed, else at the network's. The mesh is (pp, dp_replicate,
-    dp_shard, cp, tp), tp innermost: a dimension stays in a node while its ranks do (FSDP2's
-    dp_shard traffic runs over dp_shard x cp: counted at dp_shard's span, the wider)."""
-    p = cfg.parallelism
-    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard * p.cp, "cp": p.cp, "tp": p.tp}
-    order = ["pp", "dp_replicate", "dp_shard", "tp"] if dim != "cp" else ["cp", "tp"]
-    if dim not in sizes:  # scalars (loss, gradient norm): latency, not bandwidth
-        return 0.0
-    group = sizes[dim]
-    span = group * math.prod(sizes[d] for d in order[order.index(dim) + 1:])
-    factor = {"all_gather": (group - 1) / group, "reduce_scatter": (group - 1) / group,
-              "all_reduce": 2 * (group - 1) / group}.get(kind, 1.0)
-    gbps = hw.intra_node_gbps if span <= hw.node_size else hw.inter_node_gbps
-    return n * factor / (gbps * 1e9)
-
-
-def step_seconds(args: ModelArgs, cfg: JobConfig, world: int, comm: Counter, hw: Hardware) -> float:
-    """Roofline: the step's FLOPs split over the world at the peak (plus the forward a
-    checkpointed block recomputes, and a pipeline's bubble), then the communication that cannot
-    hide behind compute: TP's, CP's and the pipeline's sit on the critical path, data-parallel
-    gathers and reductions overlap with compute (FSDP prefetches, reductions run in backward)."""
-    from plait.parallel.pipeline import microbatches, stages_per_rank
-
-    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
-    flops = flops_per_token(args, t.seq_len) * t.global_batch_size * t.seq_len / world
-    checkpointed = len(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) / args.n_layers
-    # A block's forward is a third of its training FLOPs; selective recomputes element-wise ops only.
-    recompute = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[ac.mode] * checkpointed
-    compute = flops * (1 + recompute) / (hw.peak_tflops * 1e12)
-    if p.pp > 1:
-        compute *= 1 + (p.pp - 1) / (microbatches(cfg) * stages_per_rank(cfg))
-    times = [(dim, link_seconds(kind, dim, n, cfg, hw)) for (_, kind, dim), n in comm.items()]
-    critical = sum(s for dim, s in times if dim in ("tp", "pp", "cp"))
-    overlapped = sum(s for dim, s in times if dim not in ("tp", "pp", "cp"))
-    return compute + critical + max(0.0, overlapped - compute)

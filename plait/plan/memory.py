@@ -34,6 +34,7 @@ class Layout:
     dp_shard: int
     tp: int
     cp: int = 1
+    ep: int = 1  # borrows its ranks from dp_shard x cp: no factor of the world
 
     @property
     def shard(self) -> int:
@@ -42,7 +43,8 @@ class Layout:
 
     def __str__(self) -> str:  # the spelling `plait compare --run` takes
         cp = f",cp={self.cp}" if self.cp > 1 else ""
-        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard}{cp},tp={self.tp},pp={self.pp}"
+        ep = f",ep={self.ep}" if self.ep > 1 else ""
+        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard}{cp},tp={self.tp},pp={self.pp}{ep}"
 
 
 def local_rows_cols(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
@@ -123,12 +125,15 @@ def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout, optimizer: s
 
 
 def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
-    """Elements of a unit's FSDP all-gather: every parameter's TP piece, rows padded to a
-    multiple of the shard degree."""
+    """Elements of a unit's FSDP all-gather: every parameter's TP piece (an expert tensor's ep
+    piece), rows padded to a multiple of the shard degree."""
     total = 0
     for name, shape in unit.items():
         rows, cols = local_rows_cols(name, shape, layout)
-        total += math.ceil(rows / layout.shard) * layout.shard * cols
+        degree = layout.shard
+        if layout.ep > 1 and len(shape) == 3:  # experts (E, out, in): E / ep here, sharded over dp_shard x cp / ep
+            rows, degree = rows // layout.ep, max(1, layout.shard // layout.ep)
+        total += math.ceil(rows / degree) * degree * cols
     return total
 
 
@@ -256,7 +261,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     fp32 gradients before their reduce-scatter, and the logits with their fp32 copy."""
     p = cfg.parallelism
     grouped = units(params)
-    sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp)) for u in grouped}
+    sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp, 1, p.ep)) for u in grouped}
     blocks = sorted((s for u, s in sizes.items() if u != "root"), reverse=True)
     if p.dp_shard * p.cp > 1:
         gathered = e * (sizes.get("root", 0) + sum(blocks[:2])) + 4 * (blocks[0] if blocks else 0)

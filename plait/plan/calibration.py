@@ -1,0 +1,303 @@
+"""What a device computes and moves per second: the numbers `plait plan` turns shapes into time.
+
+A calibration comes from one of three places, and says which:
+- `plait doctor --json FILE` on the real machine (`plait plan --calibration FILE`): matmul
+  speed by size and dtype, element-wise memory speed by size, the host's time per operator
+  (dispatch and autograd, measured on a tiny model's training step), and each collective's
+  bus bandwidth by message size, within a node and across nodes;
+- `--device cpu`: the same compute numbers measured here, in this process (collectives are
+  then gloo on one host, at stated defaults);
+- `--device h100|h200|b200`: the data sheet, with stated efficiencies (DATA_SHEETS).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from plait.config import ConfigError
+
+Curve = list[tuple[float, float]]  # (size, rate) points, sizes ascending
+
+
+@dataclass
+class Calibration:
+    device: str
+    """the device the numbers describe"""
+    source: str
+    """where they came from"""
+    matmul: dict[str, Curve]
+    """dtype -> (FLOPs of one matmul, FLOP/s) per rank"""
+    memory: Curve
+    """(bytes one element-wise op reads and writes, bytes/s) per rank"""
+    op_seconds: float
+    """host time per operator a training step runs (dispatch, autograd), beside its work"""
+    collectives: dict[str, Curve]
+    """kind -> (message bytes, bus bandwidth bytes/s) within a node"""
+    inter_node: dict[str, Curve]
+    """kind -> (message bytes, bus bandwidth bytes/s) across nodes"""
+    latency: float
+    """seconds of one small message between two ranks"""
+    asynchronous: bool
+    """a GPU: the host queues operators ahead of the device, collectives run beside compute"""
+    cpu_share: float = 0.0
+    """on a CPU: the cores each rank had while the compute numbers were measured (0 on a GPU)"""
+    cores: int = 0
+    """on a CPU: the cores of one node"""
+    peak: dict[str, float] = field(default_factory=dict)
+    """dtype -> the FLOP/s MFU divides by (a data sheet's, else the fastest matmul measured)"""
+    elementwise: dict[str, float] = field(default_factory=dict)
+    """dtype -> bytes/s of element-wise work measured in a block of the job's model (else `memory`)"""
+
+    def rate(self, dtype: str, flops: float, share: float) -> float:
+        """FLOP/s of one matmul of `flops` FLOPs on a rank with `share` cores (CPU)."""
+        return at(self.matmul[dtype], flops) * self.scale(share)
+
+    def bandwidth(self, nbytes: float, share: float) -> float:
+        return at(self.memory, nbytes) * self.scale(share)
+
+    def elementwise_rate(self, dtype: str, nbytes: float, share: float) -> float:
+        rate = self.elementwise.get(dtype) or self.elementwise.get("float32")
+        return (rate if rate else at(self.memory, nbytes)) * self.scale(share)
+
+    def scale(self, share: float) -> float:
+        """Compute on a CPU grows with the cores a rank has (a stated assumption: linearly)."""
+        return share / self.cpu_share if self.cpu_share and share else 1.0
+
+
+def at(curve: Curve, x: float) -> float:
+    """The rate at size `x`, interpolated log-log between measured points, flat beyond them."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    return curve[-1][1]
+
+
+GB = 1e9
+# Data sheets (dense bf16 / fp32 TFLOP/s, HBM TB/s, NVLink GB/s per direction, network GB/s per
+# GPU) and the efficiencies plan assumes where nothing was measured: large matmuls reach 70% of
+# the peak (half at 1/64 of the FLOPs of a 8192^3 product), element-wise ops 80% of HBM,
+# collectives 80% of the link, 8 us per operator the host queues and 10 us per message.
+DATA_SHEETS = {
+    "h100": ("H100 SXM", 989.5, 66.9, 3.35, 450.0, 50.0),
+    "h200": ("H200 SXM", 989.5, 66.9, 4.8, 450.0, 50.0),
+    "b200": ("B200", 2250.0, 80.0, 8.0, 900.0, 100.0),
+}
+MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.7, 0.8, 0.8
+GPU_OP_SECONDS, GPU_LATENCY = 8e-6, 10e-6
+# gloo between processes of one host, where no doctor measured it: bus bandwidth and latency.
+GLOO_BUSBW, GLOO_LATENCY = 0.5 * GB, 100e-6
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def data_sheet(name: str) -> Calibration:
+    label, bf16, fp32, hbm, nvlink, network = DATA_SHEETS[name]
+    big = 2 * 8192**3
+
+    def curve(peak: float) -> Curve:
+        return [(big / 64, peak * MATMUL_EFFICIENCY / 2 * 1e12), (big, peak * MATMUL_EFFICIENCY * 1e12)]
+
+    def link(gbps: float) -> dict[str, Curve]:
+        return {kind: [(float(2**20), gbps * LINK_EFFICIENCY * GB / 4), (float(2**28), gbps * LINK_EFFICIENCY * GB)]
+                for kind in KINDS}
+
+    return Calibration(device=label, source=f"{label} data sheet: {bf16:g} bf16 / {fp32:g} fp32 TFLOP/s, HBM "
+                       f"{hbm:g} TB/s, NVLink {nvlink:g} GB/s, network {network:g} GB/s per GPU; assumed: matmuls "
+                       f"{MATMUL_EFFICIENCY:.0%} of peak, memory {MEMORY_EFFICIENCY:.0%}, links {LINK_EFFICIENCY:.0%}",
+                       matmul={"bfloat16": curve(bf16), "float32": curve(fp32)},
+                       memory=[(float(2**30), hbm * 1e12 * MEMORY_EFFICIENCY)], op_seconds=GPU_OP_SECONDS,
+                       collectives=link(nvlink), inter_node=link(network), latency=GPU_LATENCY, asynchronous=True,
+                       peak={"bfloat16": bf16 * 1e12, "float32": fp32 * 1e12})
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(run, device: torch.device, seconds: float, at_least: int = 2) -> float:
+    """The best time of `run` repeated within `seconds` (at least `at_least` times, after a warm-up)."""
+    run()
+    synchronize(device)
+    times: list[float] = []
+    while len(times) < at_least or sum(times) < seconds:
+        begin = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return min(times)
+
+
+def matmul_curve(device: torch.device, dtype: torch.dtype, seconds: float) -> Curve:
+    """(FLOPs of one matmul, FLOP/s) of a square linear layer's three matmuls (forward, input and
+    weight gradients: the transposed forms training runs), from small to large, each size within
+    its share of `seconds`; a size one repeat of which would not fit (bf16 emulated on a CPU) is
+    left out."""
+    sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512, 1024)
+    curve: Curve = []
+    for n in sizes:
+        flops = 2.0 * n**3
+        if curve and 3 * flops / curve[-1][1] > seconds / len(sizes):
+            break
+        x, w, g = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
+
+        def linear():  # (torch.matmul: what the doctor's tests slow down to fake a throttled device)
+            torch.matmul(x, w.t()), torch.matmul(g, w), torch.matmul(g.t(), x)
+        curve.append((flops, 3 * flops / timed(linear, device, seconds / len(sizes))))
+    return curve
+
+
+def memory_curve(device: torch.device, seconds: float) -> Curve:
+    """(bytes, bytes/s) of an element-wise add (two reads, one write) from cache-sized to large."""
+    counts = [1 << k for k in range(12, 27, 2)] if device.type != "cuda" else [1 << k for k in range(20, 29, 2)]
+    curve: Curve = []
+    for n in counts:
+        a, b, c = (torch.randn(n, device=device) for _ in range(3))
+        curve.append((12.0 * n, 12.0 * n / timed(lambda: torch.add(a, b, out=c), device, seconds / len(counts))))
+    return curve
+
+
+class Operators(TorchDispatchMode):
+    """Counts the operators that do work (views and other aliases are free)."""
+    FREE = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "alias", "slice", "select", "unsqueeze",
+            "squeeze", "permute", "as_strided", "view_as_real", "view_as_complex", "_conj", "unbind", "split",
+            "split_with_sizes", "lift_fresh", "_reshape_alias", "reshape", "chunk", "narrow"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] not in self.FREE
+        return func(*args, **(kwargs or {}))
+
+
+def shrunk(args, n_layers: int, dense: bool = False):
+    """The model's structure (heads, norms, biases, experts) at a few elements per dimension."""
+    return replace(args, dim=8 * args.n_heads, head_dim=8, n_layers=n_layers, vocab_size=64, ffn_hidden=32,
+                   moe_hidden=16 if args.moe_hidden else 0, dense_layers=tuple(range(n_layers)) if dense else (),
+                   nope_layers=(), n_experts=0 if dense else args.n_experts, top_k=0 if dense else args.top_k)
+
+
+def step_operators(args, tokens: int = 16) -> int:
+    """Operators of one forward and backward of `args`'s model (on the CPU, at `args`'s shapes)."""
+    from plait.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(args)
+    batch = torch.randint(0, args.vocab_size, (1, tokens))
+    with Operators() as counter:
+        logits = model(batch)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.flatten()).backward()
+    return counter.count
+
+
+_COUNTS: dict = {}
+
+
+def operator_counts(args) -> tuple[int, int, int]:
+    """Operators per step of (a dense block, a mixture-of-experts block, the rest), counted on
+    the model's structure at tiny sizes: a count does not depend on the sizes."""
+    key = hash(args)
+    if key not in _COUNTS:
+        dense1, dense2 = (step_operators(shrunk(args, n, dense=True)) for n in (1, 2))
+        sparse = step_operators(shrunk(args, 2)) - step_operators(shrunk(args, 1)) if args.n_experts else 0
+        _COUNTS[key] = (dense2 - dense1, sparse, dense1 - (dense2 - dense1))
+    return _COUNTS[key]
+
+
+def operator_seconds(device: torch.device, seconds: float) -> float:
+    """Host time per operator: a training step of a tiny model (work negligible) over its operators."""
+    from plait.models.flavors import FLAVORS
+    from plait.models.transformer import Transformer
+
+    args = shrunk(replace(FLAVORS["debug"], vocab_size=64), 2, dense=True)
+    model = Transformer(args).to(device)
+    batch = torch.randint(0, 64, (1, 16), device=device)
+
+    def step():
+        logits = model(batch)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.flatten()).backward()
+
+    return timed(step, device, seconds, at_least=5) / step_operators(args)
+
+
+def cpu_share(threads: int, ranks_here: int) -> float:
+    """Cores a CPU rank computes on: its threads, or its part of the node's cores when ranks x threads exceed them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(float(threads or max(1, cores // ranks_here)), cores / ranks_here)
+
+
+def measure_compute(device: torch.device, seconds: float) -> dict:
+    """Every compute number of a calibration, measured on this rank (for `plait doctor --json`)."""
+    dtypes = (torch.float32, torch.bfloat16)
+    matmul = {str(d).removeprefix("torch."): matmul_curve(device, d, seconds * 0.35) for d in dtypes}
+    return {"matmul": matmul, "memory": memory_curve(device, seconds * 0.2),
+            "op_seconds": operator_seconds(device, seconds * 0.1),
+            "cpu_share": 0.0 if device.type == "cuda" else float(torch.get_num_threads()),
+            "cores": os.cpu_count() or 1}
+
+
+def here(seconds: float = 4.0) -> Calibration:
+    """`--device cpu`: this machine's compute measured now, with all its cores; gloo at stated defaults."""
+    device = torch.device("cpu")
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    numbers = measure_compute(device, seconds)
+    link = {kind: [(float(2**20), GLOO_BUSBW)] for kind in KINDS}
+    from plait.hardware import device_name
+    return Calibration(device=device_name(device), source=f"measured here now ({numbers['cpu_share']:g} threads); "
+                       f"gloo assumed {GLOO_BUSBW / GB:g} GB/s bus bandwidth, {GLOO_LATENCY * 1e6:g} us per message",
+                       collectives=link, inter_node=link, latency=GLOO_LATENCY, asynchronous=False,
+                       peak={d: max(r for _, r in c) for d, c in numbers["matmul"].items()}, **numbers)
+
+
+def from_doctor(path: str) -> Calibration:
+    """A calibration from `plait doctor --json`'s file (its "calibration" entry)."""
+    try:
+        report = json.loads(Path(path).read_text())
+        numbers = report["calibration"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"calibration: {path} is not a plait doctor --json report ({error!r})") from None
+    return Calibration(**numbers)
+
+
+def doctor_calibration(device_label: str, compute: list[dict], network: dict, latency: float, nodes: int,
+                       world: int) -> dict:
+    """The "calibration" entry of doctor's report: the median rank's compute numbers, the
+    collectives' bus bandwidth by size (within a node, and across nodes where there are several)."""
+    middle = sorted(compute, key=lambda c: max(r for _, r in c["matmul"]["float32"]))[len(compute) // 2]
+
+    def curves(where: str) -> dict[str, Curve]:
+        return {kind: [(row["bytes"], row["busbw"]) for row in sizes] for (w, kind), sizes in network.items() if w == where}
+
+    within = curves("within a node") or curves("world")
+    gpu = middle["cpu_share"] == 0.0
+    return asdict(Calibration(
+        device=device_label, source=f"plait doctor at world {world} on {nodes} node(s)", matmul=middle["matmul"],
+        memory=middle["memory"], op_seconds=middle["op_seconds"], collectives=within,
+        inter_node=curves("world") if nodes > 1 else within, latency=latency, asynchronous=gpu,
+        cpu_share=middle["cpu_share"], cores=middle["cores"],
+        peak={d: max(r for _, r in c) for d, c in middle["matmul"].items()}))
+
+
+def load(device: str, path: str) -> Calibration:
+    """`plait plan --device/--calibration`: a doctor's file wins over a named device."""
+    if path:
+        return from_doctor(path)
+    if device == "cpu":
+        return here()
+    if device not in DATA_SHEETS:
+        raise ConfigError(f"device: {device!r} unknown; allowed: {', '.join([*DATA_SHEETS, 'cpu'])}, or "
+                          "--calibration FILE from plait doctor --json")
+    return data_sheet(device)
+

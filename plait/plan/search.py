@@ -1,0 +1,164 @@
+"""Every layout a job can run on `world` ranks (pp x dp_replicate x dp_shard x cp x tp, and ep
+for a mixture of experts) x activation-checkpoint mode x micro-batch size, each validated as
+`plait train` validates it, with its memory, collectives and step time; best first.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+from dataclasses import dataclass
+
+from plait.checks import check_options
+from plait.config import ConfigError, JobConfig
+from plait.models.flavors import ModelArgs
+from plait.models.transformer import flops_per_token
+from plait.plan.calibration import Calibration
+from plait.plan.comm import collectives
+from plait.plan.memory import Layout, activation_bytes, buffer_bytes, rank_parameters, rank_stages, state_bytes
+from plait.plan.speed import share, step_time
+
+AC_MODES = ("none", "selective", "full")
+GIB = 2**30
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(world: int, args: ModelArgs, cp: int = 0, ep: int = 0) -> list[Layout]:
+    """Every (pp, dp_replicate, dp_shard, tp, cp) whose product is the world size; `cp`/`ep`
+    fixed where given (> 0). A mixture of experts also tries every ep that divides dp_shard x
+    cp and its experts."""
+    found = []
+    for pp in divisors(world):
+        for tp in divisors(world // pp):
+            for c in ([cp] if cp else divisors(world // (pp * tp))):
+                if (world // (pp * tp)) % c:
+                    continue
+                for r in divisors(world // (pp * tp * c)):
+                    shard = world // (pp * tp * c * r)
+                    experts = [ep] if ep else [e for e in divisors(shard * c) if args.n_experts % e == 0] \
+                        if args.n_experts else [1]
+                    found += [Layout(pp, r, shard, tp, c, e) for e in experts]
+    return found
+
+
+def job(cfg: JobConfig, layout: Layout, ac: str, micro_batch: int, world: int) -> JobConfig:
+    """`cfg` under `layout`, AC mode and micro-batch size (0: the whole local batch, a pipeline's
+    accumulation), validated as `plait train` would (ConfigError if it cannot run)."""
+    cfg = copy.deepcopy(cfg)
+    p = cfg.parallelism
+    p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp,
+                                                          layout.cp, layout.ep)
+    cfg.training.micro_batch_size = micro_batch if layout.pp == 1 else 0
+    cfg.activation_checkpoint.mode = ac
+    return check_options(cfg, world)
+
+
+@dataclass
+class Row:
+    layout: str
+    activation_checkpoint: str
+    micro_batch_size: int
+    state_gib: float
+    activations_gib: float
+    buffers_gib: float
+    total_gib: float
+    comm_bytes: int
+    comm_by_collective: dict  # "phase kind" -> bytes per step
+    fits: bool
+    step_seconds: float
+    compute_seconds: float
+    optimizer_seconds: float
+    communication_seconds: float  # what does not hide behind compute
+    tokens_per_second_per_device: float
+    mfu: float
+
+
+def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
+    """The start-up checks that need the model: TP divisibility, pipeline and expert options."""
+    from plait.parallel.pipeline import check_pipeline
+    from plait.parallel.tensor_parallel import check_divisibility
+
+    check_divisibility(args, cfg)
+    p = cfg.parallelism
+    if p.pp > 1:
+        check_pipeline(cfg)
+    if p.tp > 1 and not (p.sequence_parallel and p.loss_parallel):
+        raise ConfigError("parallelism.sequence_parallel/loss_parallel: plan predicts TP with both on (the defaults)")
+    if p.ep > 1 and (not args.n_experts or args.n_experts % p.ep):
+        raise ConfigError(f"parallelism.ep: {p.ep} must divide the model's {args.n_experts} experts")
+
+
+def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, cal: Calibration,
+                node_size: int) -> Row:
+    """One validated job's row: its largest pipeline rank's memory, its slowest rank's step."""
+    from plait.parallel.pipeline import microbatches
+
+    p, t = cfg.parallelism, cfg.training
+    e = 2 if t.mixed_precision_param in ("auto", "bfloat16") else 4
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
+    largest, slowest = None, None
+    for pp_rank in range(p.pp):  # every pp rank: its stages differ in what they hold and compute
+        stages = rank_stages(cfg, pp_rank)
+        params = rank_parameters(args, cfg, stages)
+        comm = collectives(args, cfg, stages, e)
+        pipeline_split = 1 if stages is None else microbatches(cfg)
+        tokens = t.seq_len * t.micro_batch_size // pipeline_split
+        state = state_bytes(params, layout, cfg.optimizer.name) / GIB
+        activations = activation_bytes(args, cfg, stages, e) / GIB
+        buffers = buffer_bytes(args, cfg, params, e, tokens) / GIB
+        if largest is None or state + activations + buffers > sum(largest[:3]):
+            largest = (state, activations, buffers, comm)
+        timing = step_time(args, cfg, world, stages, comm, e, cal, node_size)
+        if slowest is None or timing.seconds > slowest.seconds:
+            slowest = timing
+    state, activations, buffers, comm = largest
+    by_collective = Counter()
+    for (phase, kind, _), n in comm.items():
+        by_collective[f"{phase} {kind}"] += n
+    per_device = t.global_batch_size * t.seq_len / slowest.seconds / world
+    peak = cal.peak.get("bfloat16" if e == 2 else "float32", 0.0) * cal.scale(share(cfg, world, node_size))
+    mfu = model_flops(args, t.seq_len) * per_device / peak if peak else 0.0
+    total = state + activations + buffers
+    return Row(str(layout), cfg.activation_checkpoint.mode, t.micro_batch_size, state, activations, buffers, total,
+               sum(comm.values()), dict(by_collective), total <= memory_gib, slowest.seconds, slowest.compute,
+               slowest.optimizer, slowest.communication, per_device, mfu)
+
+
+@functools.cache
+def model_flops(args: ModelArgs, seq_len: int) -> float:
+    return flops_per_token(args, seq_len)
+
+
+def micro_batches(cfg: JobConfig, layout: Layout) -> list[int]:
+    """Micro-batch sizes to try: every divisor of the local batch (a pipeline: its own split)."""
+    if layout.pp > 1:
+        return [0]
+    dp = layout.dp_replicate * layout.dp_shard
+    local = cfg.training.global_batch_size // dp if cfg.training.global_batch_size % dp == 0 else 0
+    given = cfg.training.micro_batch_size
+    return [given] if given else divisors(local) if local else [0]
+
+
+def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, cal: Calibration,
+            node_size: int) -> tuple[list[Row], dict[str, str]]:
+    """Rows for every runnable layout x AC mode x micro-batch, best first; and why each other layout cannot run."""
+    rows, refused = [], {}
+    p = base.parallelism
+    for layout in layouts(world, args, p.cp if p.cp > 1 else 0, p.ep if p.ep > 1 else 0):
+        for micro_batch in micro_batches(base, layout):
+            for ac in AC_MODES:
+                try:
+                    cfg = job(base, layout, ac, micro_batch, world)
+                    check_layout(args, cfg)
+                except ConfigError as error:
+                    refused[str(layout)] = str(error)
+                    break
+                rows.append(predict_job(args, cfg, world, memory_gib, cal, node_size))
+    # Ties go to the layout that recomputes least, then to the smaller footprint.
+    rows.sort(key=lambda r: (not r.fits, r.step_seconds, AC_MODES.index(r.activation_checkpoint), r.total_gib))
+    return rows, refused
+

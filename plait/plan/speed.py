@@ -1,0 +1,213 @@
+"""Step time of a layout, from the model's shapes, the layout's collectives and a calibration.
+
+A rank's step, per micro-batch, is the sum of its operators' times, each at the calibrated
+speed for its size:
+- matmuls (every linear layer: forward, input gradient, weight gradient; experts at the tokens
+  each receives when routing is balanced; attention's scores and values, half of them under a
+  causal mask without a mask tensor) at the matmul speed of their FLOPs;
+- element-wise work: the saved activations are written in forward, read in backward and their
+  gradients written (3 passes), at the memory speed of one block's tensors;
+- the host's time per operator (dispatch, autograd), counted on the model's own structure;
+  on a GPU the host queues operators ahead, so a micro-batch takes the larger of the two;
+plus the recomputed forward of checkpointed blocks, a pipeline's bubble, the optimizer step
+(AdamW: 40 bytes moved per parameter, clipping included; Muon: its Newton-Schulz matmuls) and
+the collectives: each at its bus bandwidth for its message size. On a GPU data-parallel
+collectives overlap compute (FSDP prefetches, gradients reduce in backward) and only the excess
+shows; TP's, CP's, EP's and the pipeline's are on the critical path. On a CPU (gloo) nothing
+overlaps: the collectives run on the cores that compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from plait.config import JobConfig
+from plait.models.flavors import ModelArgs
+from plait.parallel.activation_checkpoint import checkpointed_blocks
+from plait.plan.calibration import Calibration, cpu_share, operator_counts
+from plait.plan.memory import (Layout, block_activation_bytes, block_indices, holds_output, joined, local_rows_cols,
+                               masked, parameter_shapes, rank_parameters, stage_blocks, units)
+
+BUS_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
+              "reduce_scatter": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g}
+CRITICAL = ("tp", "pp", "cp", "ep")
+ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written
+ADAMW_BYTES = 40  # per parameter: read p, g, m, v and write p, m, v (28); the norm reads g, clipping scales it (12)
+
+
+@dataclass
+class StepTime:
+    compute: float  # forward + backward of every micro-batch, recompute and bubble included
+    optimizer: float
+    communication: float  # what does not hide behind compute
+    seconds: float
+
+
+def dtype_name(e: int) -> str:
+    return "bfloat16" if e == 2 else "float32"
+
+
+def share(cfg: JobConfig, world: int, node_size: int) -> float:
+    """Cores a rank of this job computes on (CPU): its threads, or its part of the node."""
+    return cpu_share(cfg.training.threads, min(world, node_size))
+
+
+def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
+    """The FLOPs of each matmul of one block's forward on a rank (backward runs two of each), for
+    `tokens` of sequences of `seq_len` (their keys)."""
+    calls = []
+    layout = Layout(1, 1, 1, tp, 1)
+    for name, shape in parameter_shapes(args).items():
+        if not name.startswith(f"layers.{block}.") or len(shape) < 2:
+            continue  # norms and biases are element-wise
+        if len(shape) == 3:  # experts (E, out, in): each token's top_k copies, spread evenly
+            calls += [2.0 * tokens * args.top_k / shape[0] * shape[1] * shape[2]] * shape[0]
+        else:
+            rows, cols = local_rows_cols(name, shape, layout)
+            calls.append(2.0 * tokens * rows * cols)
+    # scores and values per head: 2 x queries x keys x head_dim each, half of it under a causal
+    # mask the kernel skips (no mask tensor)
+    sequences = max(1, tokens // seq_len)
+    one = 2.0 * tokens / sequences * seq_len * args.head_dim * (0.5 if causal else 1.0)
+    calls += [one] * (2 * args.n_heads // tp * sequences)
+    return calls
+
+
+def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int, cal: Calibration, cores: float,
+                  tp: int = 1, cp: int = 1, causal: bool = True, is_masked: bool = False, is_joined: bool = False,
+                  recompute: bool = False) -> float:
+    """One block's forward and backward (and a recomputed forward) on a rank: matmuls at their
+    size's speed, element-wise work at the calibrated element-wise speed, the host's operators."""
+    dtype = dtype_name(e)
+    passes = 3 + recompute
+    matmuls = sum(passes * flops / cal.rate(dtype, flops, cores)
+                  for flops in block_matmuls(args, block, tokens, seq_len, tp, causal))
+    saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, is_joined, args.sparse(block))
+    elementwise = ELEMENTWISE_PASSES * (1 + recompute / 3) * saved / cal.elementwise_rate(dtype, tokens * args.dim * e,
+                                                                                          cores)
+    dense, sparse, _ = operator_counts(args)
+    host = (sparse if args.sparse(block) else dense) * (1 + recompute / 3) * cal.op_seconds
+    return max(matmuls + elementwise, host) if cal.asynchronous else matmuls + elementwise + host
+
+
+def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int, cal: Calibration,
+                        cores: float) -> float:
+    """One micro-batch's forward and backward on a rank (its stages' blocks and ends), recompute included."""
+    from plait.parallel.pipeline import microbatches
+
+    p, t = cfg.parallelism, cfg.training
+    sequences = t.micro_batch_size // (1 if stages is None else microbatches(cfg))
+    tokens = sequences * t.seq_len // p.cp
+    params = rank_parameters(args, cfg, stages)
+    blocks = block_indices([u for u in units(params) if u != "root"])
+    ac = cfg.activation_checkpoint
+    recomputed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) if ac.mode == "full" else set()
+    causal = cfg.model.attention_mask == "causal" and p.cp == 1
+    kinds = Counter((args.sparse(b), b in recomputed) for b in blocks)  # blocks of one kind cost the same
+    representative = {(args.sparse(b), b in recomputed): b for b in blocks}
+    seconds = sum(n * block_seconds(args, representative[kind], tokens, t.seq_len, e, cal, cores, p.tp, p.cp, causal,
+                                    masked(cfg), joined(cfg), kind[1]) for kind, n in kinds.items())
+    if holds_output(args, params):  # the output layer's matmuls, the logits and the loss's fp32 log-softmax
+        flops = 2.0 * tokens * args.dim * args.vocab_size / p.tp
+        seconds += 3 * flops / cal.rate(dtype_name(e), flops, cores)
+        logits = tokens * args.vocab_size // p.tp * (e + 4)
+        seconds += ELEMENTWISE_PASSES * logits / cal.elementwise_rate(dtype_name(e), logits, cores)
+    _, _, rest = operator_counts(args)
+    return seconds + rest * cal.op_seconds * (not cal.asynchronous)
+
+
+def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal: Calibration, cores: float) -> float:
+    p = cfg.parallelism
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
+    elements = sum(math.ceil(r / layout.shard) * c for r, c in (local_rows_cols(n, s, layout) for n, s in params.items()))
+    seconds = ADAMW_BYTES * elements / cal.bandwidth(4.0 * elements / max(1, len(params)), cores)
+    if cfg.optimizer.name == "muon":  # 5 Newton-Schulz iterations, each 2 n^2 m + 2 n^3 x 2 FLOPs, on each matrix
+        for name, shape in params.items():
+            if len(shape) == 2 and "embeddings" not in name and not name.startswith("output"):
+                n, m = sorted(local_rows_cols(name, shape, Layout(p.pp, p.dp_replicate, 1, p.tp, 1)))
+                flops = 5 * 2 * (2 * n * n * m + n**3) / layout.shard
+                seconds += flops / cal.rate("float32", flops, cores)
+    return seconds + 3 * len(params) * cal.op_seconds * (not cal.asynchronous)
+
+
+def collective_seconds(comm: Counter, cfg: JobConfig, calls: dict[str, int], node_size: int,
+                       cal: Calibration) -> dict[str, float]:
+    """Seconds per mesh dimension of a step's collectives: each call at its message's bus bandwidth."""
+    from plait.plan.calibration import at
+
+    p = cfg.parallelism
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard * p.cp, "cp": p.cp, "tp": p.tp,
+             "ep": p.ep}
+    inner = {"pp": ("dp_replicate", "dp_shard", "tp"), "dp_replicate": ("dp_shard", "tp"), "dp_shard": ("tp",),
+             "cp": ("tp",), "tp": (), "ep": ("tp",)}
+    out: dict[str, float] = Counter()
+    for (_, kind, dim), n in comm.items():
+        if dim not in sizes or not n:
+            continue  # scalars: latency, counted with the host's operators
+        group = sizes[dim]
+        span = group * math.prod(sizes[d] for d in inner[dim])
+        curves = cal.collectives if span <= node_size else cal.inter_node
+        count = max(1, calls.get(dim, 1))
+        message = n / count
+        if kind in ("send", "recv"):
+            busbw, factor = at(curves["all_to_all"], message), 1.0
+        else:
+            busbw, factor = at(curves[kind], message * (group if kind == "all_gather" else 1)), BUS_FACTOR[kind](group)
+        out[dim] += count * (cal.latency + message * factor / busbw)
+    return out
+
+
+def call_counts(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, passes: int) -> dict[str, int]:
+    """How many calls a step's bytes of each dimension are spread over (for their message size)."""
+    blocks = len(range(args.n_layers)) if stages is None else sum(len(stage_blocks(args, cfg, s)) for s in stages)
+    units_ = blocks + 1
+    return {"dp_shard": 3 * units_ * passes, "dp_replicate": units_, "tp": 8 * blocks * passes + 4,
+            "cp": 3 * blocks * passes, "pp": 4 * passes * max(1, len(stages or [])), "ep": 4 * blocks * passes}
+
+
+def step_time(args: ModelArgs, cfg: JobConfig, world: int, stages: list[int] | None, comm: Counter, e: int,
+              cal: Calibration, node_size: int) -> StepTime:
+    """The predicted step of one rank (running `stages`), with what it is made of."""
+    from plait.config import dp_degree
+    from plait.parallel.pipeline import microbatches, stages_per_rank
+
+    p, t = cfg.parallelism, cfg.training
+    cores = share(cfg, world, node_size)
+    local_batch = t.global_batch_size // dp_degree(cfg)
+    passes = local_batch // t.micro_batch_size if stages is None else microbatches(cfg)
+    compute = passes * micro_batch_seconds(args, cfg, stages, e, cal, cores)
+    if stages is not None:  # the bubble: (pp - 1) micro-batch times of each rank's chunk of the model
+        compute *= 1 + (p.pp - 1) / (passes * stages_per_rank(cfg))
+    params = rank_parameters(args, cfg, stages)
+    optimizer = optimizer_seconds(args, cfg, params, e, cal, cores)
+    by_dim = collective_seconds(comm, cfg, call_counts(args, cfg, stages, passes), node_size, cal)
+    critical = sum(s for dim, s in by_dim.items() if dim in CRITICAL)
+    overlapping = sum(s for dim, s in by_dim.items() if dim not in CRITICAL)
+    exposed = critical + (max(0.0, overlapping - compute) if cal.asynchronous else overlapping)
+    return StepTime(compute, optimizer, exposed, compute + optimizer + exposed)
+
+
+def measured_elementwise(args: ModelArgs, tokens: int, seq_len: int, device, dtype, cal: Calibration) -> float:
+    """Element-wise bytes/s a block of this model reaches on this device: one block's forward and
+    backward timed, less what the calibration predicts for its matmuls and host operators, over
+    the element-wise bytes plan counts for it."""
+    import torch
+    from dataclasses import replace
+    from plait.models.transformer import Transformer
+    from plait.plan.calibration import timed
+
+    one = replace(args, n_layers=1, vocab_size=8)
+    model = Transformer(one).to(device, dtype)
+    x = torch.randn(max(1, tokens // seq_len), seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
+
+    def step():
+        model.layers["0"](x, model.rope).sum().backward()
+
+    seconds = timed(step, device, 1.0, at_least=3)
+    e = dtype.itemsize
+    unrated = replace(cal, elementwise={str(dtype).removeprefix("torch."): float("inf")})
+    rest = seconds - block_seconds(one, 0, tokens, seq_len, e, unrated, cal.cpu_share)
+    saved = block_activation_bytes(one, tokens, e, "none", 1, False, 1, False, one.sparse(0))
+    return ELEMENTWISE_PASSES * saved / max(rest, 0.1 * seconds)
