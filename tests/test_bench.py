@@ -14,7 +14,13 @@ pytestmark = pytest.mark.slow
 
 def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     out = tmp_path / "bench"
+    # plan's predictions need a calibration; the data sheet's numbers test the plumbing (the
+    # doctor's calibration against a measurement: test_doctor)
+    from dataclasses import asdict
+    from plait.plan.calibration import data_sheet
+    (tmp_path / "doctor.json").write_text(json.dumps({"calibration": asdict(data_sheet("h100"))}))
     proc = subprocess.run([sys.executable, "-m", "plait", "bench", "--flavor", "debug", "--steps", "3",
+                           "--calibration", str(tmp_path / "doctor.json"),
                            "--seq_len", "64", "--rows", "raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "fsdp2", "fsdp2_ac_full", "pp", "--out",
                            str(out),
                            "--emulated_bf16", "run"],  # the same rows on every CPU kind
@@ -65,6 +71,10 @@ def test_bench_measures_memory_collectives_and_overhead(tmp_path):
     assert all(row[f"{dtype}_mfu"] is None or 0 < row[f"{dtype}_mfu"] <= 1
                for row in rows.values() for dtype in ("float32", "bfloat16"))
     assert any(row["float32_mfu"] for row in rows.values())
+    # plan's prediction of each row it models, beside the measurement (not the raw loops)
+    assert all((f"{dtype}_predicted_tokens_per_sec" in row) == (key not in ("raw_pytorch", "transformers", "raw_fsdp2"))
+               for key, row in rows.items() for dtype in ("float32", "bfloat16"))
+    assert "plan: FSDP2: float32 predicted " in proc.stdout
 
 
 def test_bench_says_when_bf16_was_not_measured():

@@ -255,5 +255,6 @@ def test_plan_predicts_each_family_flavor(capsys):
 
     for flavor in ("qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b"):
         assert main(["plan", "--world", "8", "--device_memory_gib", "80", "--model.flavor", flavor,
-                     "--training.seq_len", "4096", "--training.global_batch_size", "32"]) == 0
+                     "--training.seq_len", "4096", "--training.global_batch_size", "32",
+                     "--training.micro_batch_size", "4"]) == 0
         assert "plan: best: " in capsys.readouterr().out, flavor

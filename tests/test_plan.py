@@ -233,10 +233,13 @@ def test_a_mixture_of_experts_plan_searches_ep_and_counts_its_all_to_alls(capsys
 
 def test_calibrations_and_their_errors(tmp_path, capsys):
     from plait.config import ConfigError
-    from plait.plan.calibration import at, data_sheet, load
+    from plait.plan.calibration import at, data_sheet, here, load
 
     h100 = data_sheet("h100")
     assert h100.peak["bfloat16"] == 989.5e12 and not h100.elementwise
+    cpu = here(seconds=0.5)  # --device cpu: this machine's compute measured now, gloo's links stated
+    assert "measured here now" in cpu.source and not cpu.asynchronous and cpu.op_seconds > 0
+    assert all(rate > 0 for curve in cpu.matmul.values() for _, rate in curve) and cpu.cores >= 1
     assert at([(1.0, 1.0), (100.0, 100.0)], 10.0) == pytest.approx(10.0)  # log-log between points, flat beyond
     assert at([(1.0, 1.0), (100.0, 100.0)], 1e6) == 100.0
     with pytest.raises(ConfigError, match="device: 'tpu' unknown; allowed: h100, h200, b200, cpu"):

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.config import ConfigError
+from plait.hardware import device_name
 
 Curve = list[tuple[float, float]]  # (size, rate) points, sizes ascending
 
@@ -129,13 +130,14 @@ def timed(run, device: torch.device, seconds: float, at_least: int = 2) -> float
     """The best time of `run` repeated within `seconds` (at least `at_least` times, after a warm-up)."""
     run()
     synchronize(device)
-    times: list[float] = []
-    while len(times) < at_least or sum(times) < seconds:
+    best, spent, repeats = float("inf"), 0.0, 0
+    while repeats < at_least or spent < seconds:
         begin = time.perf_counter()
         run()
         synchronize(device)
-        times.append(time.perf_counter() - begin)
-    return min(times)
+        elapsed = time.perf_counter() - begin
+        best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
+    return best
 
 
 def matmul_curve(device: torch.device, dtype: torch.dtype, seconds: float) -> Curve:
@@ -159,10 +161,11 @@ def matmul_curve(device: torch.device, dtype: torch.dtype, seconds: float) -> Cu
 
 def memory_curve(device: torch.device, seconds: float) -> Curve:
     """(bytes, bytes/s) of an element-wise add (two reads, one write) from cache-sized to large."""
-    counts = [1 << k for k in range(12, 27, 2)] if device.type != "cuda" else [1 << k for k in range(20, 29, 2)]
+    # (a CPU: from its L1 to past a 32 MiB L3; a GPU: to 1 GiB per tensor)
+    counts = [1 << k for k in range(12, 25, 2)] if device.type != "cuda" else [1 << k for k in range(20, 29, 2)]
     curve: Curve = []
     for n in counts:
-        a, b, c = (torch.randn(n, device=device) for _ in range(3))
+        a, b, c = (torch.ones(n, device=device) for _ in range(3))
         curve.append((12.0 * n, 12.0 * n / timed(lambda: torch.add(a, b, out=c), device, seconds / len(counts))))
     return curve
 
@@ -232,9 +235,14 @@ def operator_seconds(device: torch.device, seconds: float) -> float:
     return timed(step, device, seconds, at_least=5) / step_operators(args)
 
 
-def cpu_share(threads: int, ranks_here: int) -> float:
-    """Cores a CPU rank computes on: its threads, or its part of the node's cores when ranks x threads exceed them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def local_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_share(threads: int, ranks_here: int, cores: int = 0) -> float:
+    """Cores a CPU rank computes on: its threads (0: the node's `cores` split evenly, as plait
+    train sets them), or its part of the cores when ranks x threads exceed them."""
+    cores = cores or local_cores()
     return min(float(threads or max(1, cores // ranks_here)), cores / ranks_here)
 
 
@@ -245,16 +253,18 @@ def measure_compute(device: torch.device, seconds: float) -> dict:
     return {"matmul": matmul, "memory": memory_curve(device, seconds * 0.2),
             "op_seconds": operator_seconds(device, seconds * 0.1),
             "cpu_share": 0.0 if device.type == "cuda" else float(torch.get_num_threads()),
-            "cores": os.cpu_count() or 1}
+            "cores": local_cores()}
 
 
 def here(seconds: float = 4.0) -> Calibration:
     """`--device cpu`: this machine's compute measured now, with all its cores; gloo at stated defaults."""
-    device = torch.device("cpu")
-    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    numbers = measure_compute(device, seconds)
+    device, threads = torch.device("cpu"), torch.get_num_threads()
+    torch.set_num_threads(local_cores())
+    try:
+        numbers = measure_compute(device, seconds)
+    finally:
+        torch.set_num_threads(threads)
     link = {kind: [(float(2**20), GLOO_BUSBW)] for kind in KINDS}
-    from plait.hardware import device_name
     return Calibration(device=device_name(device), source=f"measured here now ({numbers['cpu_share']:g} threads); "
                        f"gloo assumed {GLOO_BUSBW / GB:g} GB/s bus bandwidth, {GLOO_LATENCY * 1e6:g} us per message",
                        collectives=link, inter_node=link, latency=GLOO_LATENCY, asynchronous=False,

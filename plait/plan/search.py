@@ -120,7 +120,7 @@ def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, 
     for (phase, kind, _), n in comm.items():
         by_collective[f"{phase} {kind}"] += n
     per_device = t.global_batch_size * t.seq_len / slowest.seconds / world
-    peak = cal.peak.get("bfloat16" if e == 2 else "float32", 0.0) * cal.scale(share(cfg, world, node_size))
+    peak = cal.peak.get("bfloat16" if e == 2 else "float32", 0.0) * cal.scale(share(cfg, world, node_size, cal))
     mfu = model_flops(args, t.seq_len) * per_device / peak if peak else 0.0
     total = state + activations + buffers
     return Row(str(layout), cfg.activation_checkpoint.mode, t.micro_batch_size, state, activations, buffers, total,

@@ -6,7 +6,8 @@ speed for its size:
   each receives when routing is balanced; attention's scores and values, half of them under a
   causal mask without a mask tensor) at the matmul speed of their FLOPs;
 - element-wise work: the saved activations are written in forward, read in backward and their
-  gradients written (3 passes), at the memory speed of one block's tensors;
+  gradients written (3 passes), at the element-wise speed a block of the model reached in the
+  doctor (else the memory speed of one block's tensors);
 - the host's time per operator (dispatch, autograd), counted on the model's own structure;
   on a GPU the host queues operators ahead, so a micro-batch takes the larger of the two;
 plus the recomputed forward of checkpointed blocks, a pipeline's bubble, the optimizer step
@@ -49,9 +50,9 @@ def dtype_name(e: int) -> str:
     return "bfloat16" if e == 2 else "float32"
 
 
-def share(cfg: JobConfig, world: int, node_size: int) -> float:
-    """Cores a rank of this job computes on (CPU): its threads, or its part of the node."""
-    return cpu_share(cfg.training.threads, min(world, node_size))
+def share(cfg: JobConfig, world: int, node_size: int, cal: Calibration) -> float:
+    """Cores a rank of this job computes on (CPU): its threads, or its part of the node's."""
+    return cpu_share(cfg.training.threads, min(world, node_size), cal.cores)
 
 
 def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
@@ -122,7 +123,8 @@ def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal
     p = cfg.parallelism
     layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
     elements = sum(math.ceil(r / layout.shard) * c for r, c in (local_rows_cols(n, s, layout) for n, s in params.items()))
-    seconds = ADAMW_BYTES * elements / cal.bandwidth(4.0 * elements / max(1, len(params)), cores)
+    # (it streams through every state tensor in turn: the speed of the whole state's size, not one tensor's)
+    seconds = ADAMW_BYTES * elements / cal.bandwidth(ADAMW_BYTES * elements, cores)
     if cfg.optimizer.name == "muon":  # 5 Newton-Schulz iterations, each 2 n^2 m + 2 n^3 x 2 FLOPs, on each matrix
         for name, shape in params.items():
             if len(shape) == 2 and "embeddings" not in name and not name.startswith("output"):
@@ -150,17 +152,21 @@ def collective_seconds(comm: Counter, cfg: JobConfig, calls: dict[str, int], nod
         span = group * math.prod(sizes[d] for d in inner[dim])
         curves = cal.collectives if span <= node_size else cal.inter_node
         count = max(1, calls.get(dim, 1))
-        message = n / count
-        if kind in ("send", "recv"):
-            busbw, factor = at(curves["all_to_all"], message), 1.0
-        else:
-            busbw, factor = at(curves[kind], message * (group if kind == "all_gather" else 1)), BUS_FACTOR[kind](group)
-        out[dim] += count * (cal.latency + message * factor / busbw)
+        message = n / count  # as doctor sizes it: a gather's output, a scatter's input, the reduced tensor
+        curve = curves["all_to_all" if kind in ("send", "recv") else kind]
+        factor = 1.0 if kind in ("send", "recv") else BUS_FACTOR[kind](group)
+        # below the smallest size measured, a message costs the latency plus its bytes at that size's speed
+        latency = cal.latency if message < curve[0][0] else 0.0
+        out[dim] += count * (latency + message * factor / at(curve, message))
     return out
 
 
 def call_counts(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, passes: int) -> dict[str, int]:
-    """How many calls a step's bytes of each dimension are spread over (for their message size)."""
+    """About how many calls a step's bytes of each dimension are spread over, for their message
+    size: FSDP gathers each unit forward and backward and reduce-scatters it; TP gathers and
+    scatters each block's two inputs and outputs, forward and backward; CP gathers K and V
+    forward and again when recomputing, then reduce-scatters; a stage sends and receives each
+    micro-batch both ways; EP sends out and back, forward and backward."""
     blocks = len(range(args.n_layers)) if stages is None else sum(len(stage_blocks(args, cfg, s)) for s in stages)
     units_ = blocks + 1
     return {"dp_shard": 3 * units_ * passes, "dp_replicate": units_, "tp": 8 * blocks * passes + 4,
@@ -174,7 +180,7 @@ def step_time(args: ModelArgs, cfg: JobConfig, world: int, stages: list[int] | N
     from plait.parallel.pipeline import microbatches, stages_per_rank
 
     p, t = cfg.parallelism, cfg.training
-    cores = share(cfg, world, node_size)
+    cores = share(cfg, world, node_size, cal)
     local_batch = t.global_batch_size // dp_degree(cfg)
     passes = local_batch // t.micro_batch_size if stages is None else microbatches(cfg)
     compute = passes * micro_batch_seconds(args, cfg, stages, e, cal, cores)

@@ -51,6 +51,10 @@ STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp
 DENSE_TWINS = {"small_moe": "small_moe_dense"}
 # The raw loops (plait/proof/baseline.py): row -> the loop's own options.
 RAW = {"raw_pytorch": [], "transformers": ["--model", "transformers"], "raw_fsdp2": []}
+# Rows plait plan predicts (it models fully_shard, eager, without float8: not the raw loops, classic DDP,
+# SimpleFSDP, compiled or float8 rows).
+PREDICTED = ("single", "ddp", "fsdp2", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "pp",
+             "pp_fsdp2", "cp", "ep", "dense_twin", "single_muon", "fsdp2_muon")
 # Rows `--compile` measures compiled as well (each block compiled, in plait and in the loops alike).
 COMPILABLE = ("raw_pytorch", "transformers", "single", "raw_fsdp2", "fsdp2")
 
@@ -81,6 +85,8 @@ class BenchConfig:
     rounds: int = 1
     """run every row this many times, the rows in turn each round, and report per row the median of
     its rounds (on a noisy machine 3 rounds steady the ratios between rows)"""
+    calibration: str = ""
+    """plait doctor --json FILE of this machine: each row also gets plait plan's predicted tokens/s from it"""
     emulated_bf16: Literal["skip", "run"] = "skip"
     """where the device has no bf16 matmul units (e.g. AVX2-only CPUs, 150-280x slower in bf16): skip = measure
     fp32 only and say so in the table; run = measure the bf16 rows anyway"""
@@ -219,6 +225,22 @@ def hardware(cfg: BenchConfig, flavor: str) -> dict:
             "peak_tflops": {dtype: peak_flops(device, getattr(torch, dtype), shapes).flops / 1e12 for dtype in dtypes}}
 
 
+def predicted_tokens_per_sec(cfg: BenchConfig, flavor: str, world: int, flags: list[str], dtype: str) -> float:
+    """What `plait plan` predicts for a row's run with the doctor's calibration (one machine: one node)."""
+    from plait.arguments import parse_args
+    from plait.checks import check_options
+    from plait.plan import model_shape
+    from plait.plan.calibration import from_doctor
+    from plait.plan.search import predict_job
+
+    job = check_options(parse_args(["--model.flavor", flavor, "--training.seq_len", str(cfg.seq_len),
+                                    "--training.global_batch_size", str(cfg.global_batch_size),
+                                    "--training.mixed_precision_param", dtype, "--training.threads", str(cfg.threads),
+                                    "--model.attention_mask", cfg.attention_mask, *flags]), world)
+    row = predict_job(model_shape(job), job, world, float("inf"), from_doctor(cfg.calibration), world)
+    return row.tokens_per_second_per_device * world
+
+
 def measure(cfg: BenchConfig, flavor: str, key: str, dtypes: tuple[str, ...], folder: Path) -> dict:
     """One run of a row in each precision (compiled as well where asked): {dtype_metric: value}."""
     name, world, flags = layouts(cfg.nproc)[key]
@@ -229,6 +251,8 @@ def measure(cfg: BenchConfig, flavor: str, key: str, dtypes: tuple[str, ...], fo
         print(f"bench: {flavor}, {name}, {dtype} ...", file=sys.stderr, flush=True)
         row.update({f"{dtype}_{metric}": value for metric, value in
                     run_row(cfg, flavor, key, world, flags, dtype, folder / dtype).items()})
+        if cfg.calibration and key in PREDICTED:
+            row[f"{dtype}_predicted_tokens_per_sec"] = predicted_tokens_per_sec(cfg, flavor, world, flags, dtype)
         if cfg.compile and key in COMPILABLE:
             print(f"bench: {flavor}, {name}, {dtype}, compiled ...", file=sys.stderr, flush=True)
             row.update({f"{dtype}_{metric}": value for metric, value in run_row(

@@ -73,6 +73,18 @@ def muon_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
         for key, reference in MUON_REFERENCES.items() if key in by_key and reference in by_key]
 
 
+def plan_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
+    """Each predicted row: plait plan's tokens/s from the doctor's calibration beside the measured."""
+    lines = []
+    for r in rows:
+        cells = [f"{d} predicted {r[f'{d}_predicted_tokens_per_sec']:.0f}, measured {r[f'{d}_tokens_per_sec']:.0f} "
+                 f"({r[f'{d}_tokens_per_sec'] / r[f'{d}_predicted_tokens_per_sec']:.2f}x)"
+                 for d in dtypes if f"{d}_predicted_tokens_per_sec" in r]
+        if cells:
+            lines.append(f"plan: {r['layout']}: " + "; ".join(cells) + " tokens/s")
+    return lines
+
+
 def compiled_cell(row: dict, dtype: str) -> str:
     """A row's compiled tokens/s and its ratio to the same row eager."""
     if f"{dtype}_compiled_tokens_per_sec" not in row:
@@ -132,6 +144,7 @@ def markdown(result: dict) -> str:
         lines += moe_lines(rows, machine["dtypes"])
         lines += muon_lines(rows, machine["dtypes"])
         lines += tax_lines(rows, machine["dtypes"])
+        lines += plan_lines(rows, machine["dtypes"])
         lines.append("")
     return "\n".join(lines + trust_lines(result)).rstrip()
 
