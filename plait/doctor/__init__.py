@@ -108,7 +108,7 @@ def calibrate(job: JobConfig, checks: list, every_fact: list[dict], device: torc
     latency = sorted(pairs.values())[len(pairs) // 2] if pairs else 0.0
     world = len(every_fact)
     out.update(doctor_calibration(every_fact[0]["device"], numbers, network, latency,
-                                  max(1, world // local_world), world))
+                                  max(1, world // local_world), world, every_fact[0]["bf16"]))
     if not network:  # one rank: no link measured, gloo's stated default where a plan needs one
         out["collectives"] = out["inter_node"] = {kind: [(float(2**20), GLOO_BUSBW)] for kind in KINDS}
     args, t = model_shape(job), job.training
@@ -118,13 +118,17 @@ def calibrate(job: JobConfig, checks: list, every_fact: list[dict], device: torc
     return []
 
 
-def predicted(job: JobConfig, calibration: dict, local_world: int) -> float:
-    """`plait plan`'s tokens/s for the doctor's job with the doctor's own calibration."""
+def predicted(job: JobConfig, calibration: dict, local_world: int) -> float | None:
+    """`plait plan`'s tokens/s for the doctor's job with the doctor's own calibration (None where
+    plan cannot price the job's layout)."""
     from plait.plan import model_shape
     from plait.plan.calibration import Calibration
     from plait.plan.search import predict_job
 
-    row = predict_job(model_shape(job), job, world_size(), float("inf"), Calibration(**calibration), local_world)
+    try:
+        row = predict_job(model_shape(job), job, world_size(), float("inf"), Calibration(**calibration), local_world)
+    except (ConfigError, KeyError, ValueError, ZeroDivisionError):
+        return None
     return row.tokens_per_second_per_device * world_size()
 
 

@@ -1,8 +1,8 @@
 """`plait plan`: which layouts fit a job in a device's memory, and which is fastest, before launch.
 
 Every prediction is arithmetic on the model's shapes (memory.py: state, activations, buffers;
-comm.py: collectives and the roofline), and each is checked against a measurement in the tests
-(tests/test_plan.py):
+comm.py: collectives; speed.py: time), and each is checked against a measurement in the tests
+(tests/test_plan.py; the time in tests/test_doctor.py):
 
 - state: parameters + gradients + AdamW moments and step counters of one rank, from each
   parameter's local shard (TP split first, then FSDP's dim-0 chunk): equals `state_gib`.
@@ -97,7 +97,7 @@ def assumptions(base: JobConfig, args: ModelArgs, opts: PlanArgs, cal: Calibrati
     with torch.device("meta"):
         model = Transformer(args)
     total, active = num_params(model), num_params(model, active=True)
-    compute = "bfloat16" if t.mixed_precision_param in ("auto", "bfloat16") else "float32"
+    compute = "bfloat16" if cal.compute_bytes(t.mixed_precision_param) == 2 else "float32"
     return {"model": f"{base.model.flavor}: {total / 1e9:.3g}B parameters" +
             (f", {active / 1e9:.3g}B active ({args.top_k} of {args.n_experts} experts)" if args.n_experts else ""),
             "batch": f"global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} "

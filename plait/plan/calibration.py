@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.config import ConfigError
-from plait.hardware import device_name
+from plait.hardware import device_name, native_bf16
 
 Curve = list[tuple[float, float]]  # (size, rate) points, sizes ascending
 
@@ -54,8 +54,14 @@ class Calibration:
     """on a CPU: the cores of one node"""
     peak: dict[str, float] = field(default_factory=dict)
     """dtype -> the FLOP/s MFU divides by (a data sheet's, else the fastest matmul measured)"""
+    native_bf16: bool = True
+    """whether the device multiplies in bf16 (what `mixed_precision_param auto` picks)"""
     elementwise: dict[str, float] = field(default_factory=dict)
     """dtype -> bytes/s of element-wise work measured in a block of the job's model (else `memory`)"""
+
+    def compute_bytes(self, param: str) -> int:
+        """Bytes per element of the compute dtype `training.mixed_precision_param` asks for here."""
+        return 2 if param == "bfloat16" or (param == "auto" and self.native_bf16) else 4
 
     def rate(self, dtype: str, flops: float, share: float) -> float:
         """FLOP/s of one matmul of `flops` FLOPs on a rank with `share` cores (CPU)."""
@@ -268,6 +274,7 @@ def here(seconds: float = 4.0) -> Calibration:
     return Calibration(device=device_name(device), source=f"measured here now ({numbers['cpu_share']:g} threads); "
                        f"gloo assumed {GLOO_BUSBW / GB:g} GB/s bus bandwidth, {GLOO_LATENCY * 1e6:g} us per message",
                        collectives=link, inter_node=link, latency=GLOO_LATENCY, asynchronous=False,
+                       native_bf16=native_bf16(device)[0],
                        peak={d: max(r for _, r in c) for d, c in numbers["matmul"].items()}, **numbers)
 
 
@@ -282,7 +289,7 @@ def from_doctor(path: str) -> Calibration:
 
 
 def doctor_calibration(device_label: str, compute: list[dict], network: dict, latency: float, nodes: int,
-                       world: int) -> dict:
+                       world: int, bf16: bool) -> dict:
     """The "calibration" entry of doctor's report: the median rank's compute numbers, the
     collectives' bus bandwidth by size (within a node, and across nodes where there are several)."""
     middle = sorted(compute, key=lambda c: max(r for _, r in c["matmul"]["float32"]))[len(compute) // 2]
@@ -296,7 +303,7 @@ def doctor_calibration(device_label: str, compute: list[dict], network: dict, la
         device=device_label, source=f"plait doctor at world {world} on {nodes} node(s)", matmul=middle["matmul"],
         memory=middle["memory"], op_seconds=middle["op_seconds"], collectives=within,
         inter_node=curves("world") if nodes > 1 else within, latency=latency, asynchronous=gpu,
-        cpu_share=middle["cpu_share"], cores=middle["cores"],
+        cpu_share=middle["cpu_share"], cores=middle["cores"], native_bf16=bf16,
         peak={d: max(r for _, r in c) for d, c in middle["matmul"].items()}))
 
 

@@ -98,7 +98,7 @@ def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, 
     from plait.parallel.pipeline import microbatches
 
     p, t = cfg.parallelism, cfg.training
-    e = 2 if t.mixed_precision_param in ("auto", "bfloat16") else 4
+    e = cal.compute_bytes(t.mixed_precision_param)
     layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
     largest, slowest = None, None
     for pp_rank in range(p.pp):  # every pp rank: its stages differ in what they hold and compute

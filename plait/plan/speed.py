@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.config import JobConfig
 from plait.models.flavors import ModelArgs
@@ -200,7 +200,7 @@ def measured_elementwise(args: ModelArgs, tokens: int, seq_len: int, device, dty
     backward timed, less what the calibration predicts for its matmuls and host operators, over
     the element-wise bytes plan counts for it."""
     import torch
-    from dataclasses import replace
+
     from plait.models.transformer import Transformer
     from plait.plan.calibration import timed
 
