@@ -98,7 +98,7 @@ def calibrate(job: JobConfig, checks: list, every_fact: list[dict], device: torc
     """What `plait plan --calibration` reads (into `out`): the compute and network numbers measured
     above, and the element-wise speed of one block of the job's model, timed on every rank at once."""
     from plait.plan import model_shape
-    from plait.plan.calibration import GLOO_BUSBW, KINDS, Calibration, doctor_calibration
+    from plait.plan.calibration import Calibration, doctor_calibration, gloo_links
     from plait.plan.speed import measured_elementwise
 
     numbers = next(c.values["calibration_per_rank"] for c in checks if c.name == "compute: float32 matmul")
@@ -110,7 +110,7 @@ def calibrate(job: JobConfig, checks: list, every_fact: list[dict], device: torc
     out.update(doctor_calibration(every_fact[0]["device"], numbers, network, latency,
                                   max(1, world // local_world), world, every_fact[0]["bf16"]))
     if not network:  # one rank: no link measured, gloo's stated default where a plan needs one
-        out["collectives"] = out["inter_node"] = {kind: [(float(2**20), GLOO_BUSBW)] for kind in KINDS}
+        out["collectives"] = out["inter_node"] = gloo_links()
     args, t = model_shape(job), job.training
     for dtype in (torch.float32, torch.bfloat16)[:1 + every_fact[0]["bf16"]]:
         out["elementwise"][str(dtype).removeprefix("torch.")] = measured_elementwise(

@@ -29,11 +29,6 @@ def gather(value) -> list:
     return values
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def facts(device: torch.device) -> dict:
     """What this rank is: the device model and what it computes natively, and the versions a
     job's numerics and collectives depend on."""

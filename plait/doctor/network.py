@@ -17,14 +17,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from plait.doctor.machine import gather, synchronize
+from plait.doctor.machine import gather
 from plait.doctor.report import FAIL, PASS, WARN, Check, rank_list
+from plait.plan.calibration import BUS_FACTOR, synchronize
 
 MiB = 1 << 20
 SIZES = [MiB << (2 * i) for i in range(6)]  # 1 MiB to 1 GiB, x4
 SLOW_PAIR = 4.0  # a pair whose latency is over 4x the median pair's
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
 
 def collective(name: str, size: int, group, device: torch.device):

@@ -12,6 +12,7 @@ A calibration comes from one of three places, and says which:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.config import ConfigError
-from plait.hardware import device_name, native_bf16
+from plait.hardware import GPU_PEAK_TFLOPS, device_name, native_bf16
 
 Curve = list[tuple[float, float]]  # (size, rate) points, sizes ascending
 
@@ -95,20 +96,31 @@ GB = 1e9
 # GPU) and the efficiencies plan assumes where nothing was measured: large matmuls reach 70% of
 # the peak (half at 1/64 of the FLOPs of a 8192^3 product), element-wise ops 80% of HBM,
 # collectives 80% of the link, 8 us per operator the host queues and 10 us per message.
+# The peaks are plait.hardware's table (what MFU divides by), found by the name given here.
 DATA_SHEETS = {
-    "h100": ("H100 SXM", 989.5, 66.9, 3.35, 450.0, 50.0),
-    "h200": ("H200 SXM", 989.5, 66.9, 4.8, 450.0, 50.0),
-    "b200": ("B200", 2250.0, 80.0, 8.0, 900.0, 100.0),
+    "h100": ("H100 SXM", "H100", 3.35, 450.0, 50.0),
+    "h200": ("H200 SXM", "H200", 4.8, 450.0, 50.0),
+    "b200": ("B200", "B200", 8.0, 900.0, 100.0),
 }
 MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.7, 0.8, 0.8
 GPU_OP_SECONDS, GPU_LATENCY = 8e-6, 10e-6
 # gloo between processes of one host, where no doctor measured it: bus bandwidth and latency.
 GLOO_BUSBW, GLOO_LATENCY = 0.5 * GB, 100e-6
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# nccl-tests' bus bandwidth: algorithm bandwidth x this factor of the group size n is what each
+# link carries (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md)
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+KINDS = tuple(BUS_FACTOR)
+
+
+def gloo_links() -> dict[str, Curve]:
+    """Every collective at gloo's stated bus bandwidth, where none was measured."""
+    return {kind: [(float(2**20), GLOO_BUSBW)] for kind in KINDS}
 
 
 def data_sheet(name: str) -> Calibration:
-    label, bf16, fp32, hbm, nvlink, network = DATA_SHEETS[name]
+    label, pattern, hbm, nvlink, network = DATA_SHEETS[name]
+    bf16, fp32 = next(peaks for gpu, *peaks in GPU_PEAK_TFLOPS if gpu == pattern)
     big = 2 * 8192**3
 
     def curve(peak: float) -> Curve:
@@ -211,18 +223,13 @@ def step_operators(args, tokens: int = 16) -> int:
     return counter.count
 
 
-_COUNTS: dict = {}
-
-
+@functools.cache
 def operator_counts(args) -> tuple[int, int, int]:
     """Operators per step of (a dense block, a mixture-of-experts block, the rest), counted on
     the model's structure at tiny sizes: a count does not depend on the sizes."""
-    key = hash(args)
-    if key not in _COUNTS:
-        dense1, dense2 = (step_operators(shrunk(args, n, dense=True)) for n in (1, 2))
-        sparse = step_operators(shrunk(args, 2)) - step_operators(shrunk(args, 1)) if args.n_experts else 0
-        _COUNTS[key] = (dense2 - dense1, sparse, dense1 - (dense2 - dense1))
-    return _COUNTS[key]
+    dense1, dense2 = (step_operators(shrunk(args, n, dense=True)) for n in (1, 2))
+    sparse = step_operators(shrunk(args, 2)) - step_operators(shrunk(args, 1)) if args.n_experts else 0
+    return dense2 - dense1, sparse, dense1 - (dense2 - dense1)
 
 
 def operator_seconds(device: torch.device, seconds: float) -> float:
@@ -270,7 +277,7 @@ def here(seconds: float = 4.0) -> Calibration:
         numbers = measure_compute(device, seconds)
     finally:
         torch.set_num_threads(threads)
-    link = {kind: [(float(2**20), GLOO_BUSBW)] for kind in KINDS}
+    link = gloo_links()
     return Calibration(device=device_name(device), source=f"measured here now ({numbers['cpu_share']:g} threads); "
                        f"gloo assumed {GLOO_BUSBW / GB:g} GB/s bus bandwidth, {GLOO_LATENCY * 1e6:g} us per message",
                        collectives=link, inter_node=link, latency=GLOO_LATENCY, asynchronous=False,

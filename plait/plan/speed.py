@@ -24,15 +24,16 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import torch
+
 from plait.config import JobConfig
 from plait.models.flavors import ModelArgs
+from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
-from plait.plan.calibration import Calibration, cpu_share, operator_counts
+from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed
 from plait.plan.memory import (Layout, block_activation_bytes, block_indices, holds_output, joined, local_rows_cols,
                                masked, parameter_shapes, rank_parameters, stage_blocks, units)
 
-BUS_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
-              "reduce_scatter": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g}
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written
 ADAMW_BYTES = 40  # per parameter: read p, g, m, v and write p, m, v (28); the norm reads g, clipping scales it (12)
@@ -137,8 +138,6 @@ def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal
 def collective_seconds(comm: Counter, cfg: JobConfig, calls: dict[str, int], node_size: int,
                        cal: Calibration) -> dict[str, float]:
     """Seconds per mesh dimension of a step's collectives: each call at its message's bus bandwidth."""
-    from plait.plan.calibration import at
-
     p = cfg.parallelism
     sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard * p.cp, "cp": p.cp, "tp": p.tp,
              "ep": p.ep}
@@ -199,11 +198,6 @@ def measured_elementwise(args: ModelArgs, tokens: int, seq_len: int, device, dty
     """Element-wise bytes/s a block of this model reaches on this device: one block's forward and
     backward timed, less what the calibration predicts for its matmuls and host operators, over
     the element-wise bytes plan counts for it."""
-    import torch
-
-    from plait.models.transformer import Transformer
-    from plait.plan.calibration import timed
-
     one = replace(args, n_layers=1, vocab_size=8)
     model = Transformer(one).to(device, dtype)
     x = torch.randn(max(1, tokens // seq_len), seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
