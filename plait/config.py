@@ -140,8 +140,15 @@ class Parallelism:
     pp: int = 1
     """pipeline-parallel degree (the outermost mesh dimension)"""
     cp: int = 1
-    """context-parallel degree: each sequence split over cp ranks (load-balanced chunks), keys and values
-    all-gathered for attention; mesh order pp, dp_replicate, dp_shard, cp, tp"""
+    """context-parallel degree: each sequence split over cp ranks (load-balanced chunks); mesh order pp,
+    dp_replicate, dp_shard, cp, tp"""
+    cp_kind: Literal["allgather", "ulysses", "hybrid"] = "allgather"
+    """with cp > 1, how attention meets the whole sequence: allgather = every layer all-gathers the sequence's
+    keys and values; ulysses = all-to-alls turn sequence shards into head shards of the whole sequence and back
+    (cp must divide the query heads per tp rank; key/value heads are repeated up to a multiple of cp); hybrid =
+    Ulysses over groups of cp_ulysses neighbouring ranks, then all-gather over the groups (cp > the heads)"""
+    cp_ulysses: int = 0
+    """with cp_kind hybrid: the Ulysses degree inside cp (a divisor of cp between 1 and cp)"""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     """with pp > 1: torch.distributed.pipelining schedule; interleaved_* and zbv run several stages per rank"""
     pp_microbatches: int = 0

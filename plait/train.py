@@ -42,6 +42,7 @@ from plait.optim.schedule import factor
 from plait.parallel import BatchLayout
 from plait.parallel.expert_parallel import check_experts
 from plait.parallel.pipeline import Pipeline, microbatches
+from plait.parallel.context_parallel import check_heads
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
@@ -178,6 +179,7 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
     check_divisibility(args, cfg)
+    check_heads(args, cfg)
     check_experts(args, cfg)
     float8.check_layers(args, cfg)
     identity = job_identity(cfg, args, corpus.fingerprint)
@@ -214,7 +216,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     mesh, dp_mesh, loss_mesh = parallel.build_mesh(cfg, device.type)
     cp = cfg.parallelism.cp
     layout = BatchLayout(cfg.model.attention_mask, attention_kernel(cfg), eos_id(corpus.tokenizer),
-                         mesh["cp"].get_local_rank(), cp)
+                         mesh["cp"].get_local_rank(), cp, cfg.parallelism.cp_kind == "ulysses")
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
     loader = BatchLoader(corpus.sources, corpus.weights, *shape, t.seed)
     evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None,

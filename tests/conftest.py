@@ -173,6 +173,7 @@ PP2 = ["--parallelism.pp", "2"]
 TIED = ["--model.tie_embeddings"]
 CP2 = ["--parallelism.cp", "2"]
 CAUSAL = ["--model.attention_mask", "causal"]
+ULYSSES = ["--parallelism.cp_kind", "ulysses"]
 FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
@@ -235,6 +236,16 @@ LAYOUTS = {
     "cp_tp": (4, [*CP2, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "pp_cp": (4, [*PP2, *CP2]),
     "cp_fsdp2_tp": (8, [*CP2, *degrees(1, 2, tp=2)]),
+    # Ulysses CP: heads, not keys, move (debug: 4 query heads, 2 key/value heads; under TP2 each
+    # rank's one key/value head is repeated to two before the all-to-all).
+    "cp_ulysses": (2, [*CP2, *ULYSSES, "--training.micro_batch_size", "2"]),
+    "cp_ulysses_causal": (2, [*CP2, *ULYSSES, *CAUSAL, "--training.micro_batch_size", "2"]),
+    "cp_ulysses_fsdp2": (4, [*CP2, *ULYSSES, *degrees(1, 2)]),
+    "cp_ulysses_tp": (4, [*CP2, *ULYSSES, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "pp_cp_ulysses": (4, [*PP2, *CP2, *ULYSSES]),
+    # Hybrid: Ulysses within pairs of cp ranks, keys and values all-gathered across the pairs.
+    "cp_hybrid": (4, ["--parallelism.cp", "4", "--parallelism.cp_kind", "hybrid", "--parallelism.cp_ulysses", "2",
+                      *degrees(1, 1), "--training.micro_batch_size", "2"]),
     # Float8 (the blocks' linear layers), against the single device with the same recipe:
     # tensorwise in every layout that shards or reorders what its scales are taken over, rowwise
     # where sharding meets its per-row scales (FSDP2 gathers it in the compute dtype, TP splits
@@ -279,6 +290,7 @@ LAYOUTS = {
     "pp_moe": (2, [*MOE, *PP2]),  # 2 micro-batches of 2 sequences: single_moe's forwards
     "cp_moe": (2, [*MOE, *CP2, "--training.micro_batch_size", "2"]),
     "cp_ep2_moe": (2, [*MOE, *CP2, *EP2, "--training.micro_batch_size", "2"]),  # ep borrows the cp ranks
+    "cp_ulysses_moe": (2, [*MOE, *CP2, *ULYSSES, "--training.micro_batch_size", "2"]),
     # Muon (the blocks' matrices orthogonalised whole, spread over the ranks that shard them), against the
     # single device with Muon: every way a matrix is split (FSDP2, HSDP, SimpleFSDP, TP, FSDP2+TP,
     # pipeline stages) or replicated (DDP, classic DDP).

@@ -36,11 +36,14 @@ CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", 
     ("fsdp2", [], ["--activation_checkpoint.mode", "full"], 1e-6),
     # CP2: the K/V all-gather (functional collectives) and the query blocks inside the graph: measured bitwise
     ("cp", [], [], 1e-6),
+    # Ulysses CP2: the all-to-alls and the per-block masks (checkpointed query blocks) in the graph
+    ("cp_ulysses", [], [], 1e-6),
     # float8 tensorwise under FSDP2 (float8 all-gather), fp32: inductor fuses each cast's amax, scale
     # and rounding into one kernel; a scale one ulp off moves a few values across a float8
     # rounding boundary: measured 9.5e-6, bound 10x
     ("fsdp2_f8", [], [], 1e-4),
-], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32", "tp2-fp32", "fsdp2-fp32-ac-full", "cp2-fp32", "fsdp2-float8"])
+], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32", "tp2-fp32", "fsdp2-fp32-ac-full", "cp2-fp32", "cp2-ulysses-fp32",
+         "fsdp2-float8"])
 def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mode, tolerance):
     eager, _ = layout_run(train_once, layout, precision, mode)  # shared with the parity tests
     world, args = LAYOUTS[layout]

@@ -81,6 +81,10 @@ def test_unknown_config_name_lists_named_configs():
     (["--parallelism.cp", "2", "--parallelism.dp_backend", "simple_fsdp"], "simple_fsdp cannot run with cp > 1"),
     (["--parallelism.cp", "2", "--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2"],
      "ddp cannot run with cp > 1"),
+    (["--parallelism.cp", "4", "--parallelism.cp_kind", "hybrid", "--parallelism.cp_ulysses", "4"],
+     r"cp_ulysses: 4 with cp_kind hybrid must divide cp 4 and lie strictly between 1 and it .*allowed: \[2\]"),
+    (["--parallelism.cp", "2", "--parallelism.cp_ulysses", "2"], "cp_ulysses: 2 is the Ulysses degree of cp_kind hybrid"),
+    (["--parallelism.cp_kind", "ring"], "parallelism.cp_kind"),
     (["--model.attention", "flex"], "flex cannot train on this device"),
     (["--model.attention", "flex", "--parallelism.cp", "2"], "flex is not proven with pp > 1 or cp > 1"),
     (["--model.attention", "flex", "--model.attention_mask", "causal"], "flex serves the document mask"),
@@ -94,6 +98,18 @@ def test_validation_errors_name_the_option(argv, fragment):
 def test_context_parallel_sequence_must_split_over_tp_too():
     with pytest.raises(ConfigError, match="each cp rank's 10 tokens do not split over tp 4 .*allowed: a multiple of 8"):
         check_options(parse_args(["--parallelism.cp", "2", "--parallelism.tp", "4", "--training.seq_len", "20"]), world=8)
+
+
+def test_ulysses_must_split_the_heads_each_tp_rank_holds():
+    from plait.parallel.context_parallel import check_heads
+    from plait.plan import model_shape
+
+    cfg = check_options(parse_args(["--parallelism.cp", "4", "--parallelism.tp", "2", "--parallelism.cp_kind",
+                                    "ulysses", "--training.seq_len", "64"]), world=8)
+    with pytest.raises(ConfigError, match="parallelism.cp: 4 does not divide the 2 query heads each tp rank holds"):
+        check_heads(model_shape(cfg), cfg)  # debug: 4 heads, 2 per tp rank
+    cfg.parallelism.cp_kind, cfg.parallelism.cp_ulysses = "hybrid", 2
+    check_heads(model_shape(cfg), cfg)  # Ulysses over pairs, the rest all-gathered: runs
 
 
 def test_pipeline_stages_are_balanced_or_split_where_asked():

@@ -66,7 +66,7 @@ def test_the_causal_mask_as_a_tensor_equals_the_causal_path_bitwise():
     inputs = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(2))
     zeros = torch.zeros_like(inputs)
     with torch.no_grad():
-        rows = model(inputs, positions=torch.arange(64).expand(2, -1), mask=allowed(zeros, torch.arange(64)))
+        rows = model(inputs, positions=torch.arange(64).expand(2, -1), mask=zeros)
         assert torch.equal(rows, model(inputs))
 
 
@@ -78,7 +78,7 @@ def test_flex_attention_forward_equals_sdpa_under_the_document_mask():
     documents = document_ids(tokens, EOS)
     positions = positions_in_documents(documents)
     with torch.no_grad():
-        sdpa = model(tokens, positions=positions, mask=allowed(documents, torch.arange(128)))
+        sdpa = model(tokens, positions=positions, mask=documents)
         flex = model(tokens, positions=positions, mask=block_mask(documents, torch.arange(128)))
     assert (sdpa - flex).abs().max() <= 2e-6
 
@@ -103,15 +103,16 @@ def test_cp_shards_tokens_labels_positions_and_mask_rows_together():
         rows = chunk_indices(32, rank, 2)
         assert torch.equal(mine, inputs[:, rows]) and torch.equal(their_labels, labels[:, rows])
         assert torch.equal(attention["positions"], whole[2]["positions"][:, rows])
-        assert torch.equal(attention["mask"], whole[2]["mask"][:, :, rows])
-        # causal: positions are the shard's sequence indices, its mask rows the causal ones
+        assert torch.equal(attention["mask"], whole[2]["mask"])  # every key's document: the whole sequence's
+        # causal: positions are the shard's sequence indices, one document for the mask rows
         _, _, causal = BatchLayout("causal", "sdpa", EOS, rank, 2)(inputs, labels)
         assert torch.equal(causal["positions"], rows.expand(1, -1))
-        assert torch.equal(causal["mask"], allowed(torch.zeros_like(inputs), torch.arange(32))[:, :, rows])
+        assert torch.equal(causal["mask"], torch.zeros_like(inputs))
 
 
-def test_the_mask_is_converted_once_to_the_compute_dtype():
+def test_a_blocks_mask_is_built_from_document_ids_in_the_compute_dtype():
     mask = allowed(torch.zeros(1, 4, dtype=torch.long), torch.arange(4))
+    assert torch.equal(allowed(torch.zeros(1, 4, dtype=torch.long), torch.arange(2, 4), 3), mask[:, :, 2:, :3])
     assert additive(mask, torch.bfloat16).dtype == torch.bfloat16
     assert additive(mask, torch.float32)[0, 0].tolist() == [[0, -float("inf"), -float("inf"), -float("inf")],
                                                            [0, 0, -float("inf"), -float("inf")],
@@ -122,7 +123,8 @@ def test_masked_attention_in_query_blocks_equals_one_masked_sdpa_call():
     """Blocks of 512 queries over the keys up to their last query compute what one SDPA call
     under the whole mask computes (measured bitwise in the forward; fp32 bounds 1e-6 forward and
     1e-5 for gradients, which autograd sums over the blocks in another order), at a length that
-    leaves a partial block."""
+    leaves a partial block. No tensor of queries x keys is kept for backward: each block's mask
+    is built again there."""
     from plait.models.attention import masked_attention
 
     g = torch.Generator().manual_seed(5)
@@ -131,7 +133,10 @@ def test_masked_attention_in_query_blocks_equals_one_masked_sdpa_call():
     documents = document_ids(torch.randint(0, 40, (1, 1100), generator=g), EOS)
     mask = additive(allowed(documents, torch.arange(1100)), torch.float32)
     whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    blocks = masked_attention(q, k, v, mask, ((0, 1100),))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        blocks = masked_attention(q, k, v, documents, ((0, 1100),))
+    assert saved and not [s for s in saved if len(s) == 4 and s[1] == 1 and s[-2] >= 512 and s[-1] >= 512]
     assert (whole - blocks).abs().max() <= 1e-6
     grads = [torch.autograd.grad(out.square().sum(), (q, k, v)) for out in (whole, blocks)]
     assert max((a - b).abs().max() for a, b in zip(*grads)) <= 1e-5

@@ -29,8 +29,9 @@ BF16_REORDERED = 1e-3
 # its query blocks (a rank's two chunks) end where one device's do not, and each key's dK/dV is
 # the sum of two ranks' partials, which one device's kernel accumulates in one loop: last-bit
 # differences in fp32, measured at most 4.8e-7 in every cp row (1 ulp of a loss in [4, 8)). Its bf16 row: one, the mechanism is the same in the others.
-CONTEXT = ("cp", "cp_causal", "cp_fsdp2", "cp_tp", "pp_cp", "cp_fsdp2_tp")
-CONTEXT_BF16 = ("cp",)
+CONTEXT = ("cp", "cp_causal", "cp_fsdp2", "cp_tp", "pp_cp", "cp_fsdp2_tp",
+           "cp_ulysses", "cp_ulysses_causal", "cp_ulysses_fsdp2", "cp_ulysses_tp", "pp_cp_ulysses", "cp_hybrid")
+CONTEXT_BF16 = ("cp", "cp_ulysses")
 # Float8 against the single device with the same recipe (FLOAT8_BOUNDS below).
 FLOAT8 = ("fsdp2_f8", "ddp_f8", "classic_ddp_f8", "tp_f8", "pp_f8", "fsdp2_tp_f8", "fsdp2_f8_rowwise", "tp_f8_rowwise")
 FLOAT8_BF16 = ("fsdp2_f8",)
@@ -72,7 +73,7 @@ MOE_BOUNDS = {("simple_fsdp_moe", "fp32"): BITWISE,  # (measured: data paralleli
               # a pipeline forwards single_moe's micro-batches, each stage its own layers: as for Llama
               ("pp_moe", "fp32"): BITWISE, ("pp_moe_sigmoid", "fp32"): BITWISE,
               **{(name, "fp32"): FP32_REORDERED for name in ("ep2_moe", "pp_ep2_moe", "cp_moe", "cp_ep2_moe",
-                                                             "ep2_moe_sigmoid")},
+                                                             "cp_ulysses_moe", "ep2_moe_sigmoid")},
               **{(name, "fp32"): MOE_REORDERED for name in ("tp_moe", "ep2_fsdp2_moe", "ep2_hsdp_moe", "ep2_tp2_moe")},
               ("ep2_moe", "bf16"): BF16_REORDERED}
 # Muon against the single device with Muon. Each matrix is orthogonalised whole in fp32 from the

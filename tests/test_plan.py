@@ -70,6 +70,7 @@ AC_RUNS = {  # (layout, precision, AC options); their reference is the same run 
     ("ddp_tp", "bf16", "full"): [*AC, "full"],
     ("single_deep", "fp32", "full every 2"): [*AC, "full", "--activation_checkpoint.every", "2"],
     ("cp", "fp32", "full"): [*AC, "full"],  # a checkpointed block gathers K/V again in backward
+    ("cp_ulysses", "fp32", "full"): [*AC, "full"],  # ... or sends q, k, v and the output all-to-all again
     ("fsdp2_f8", "fp32", "full"): [*AC, "full"],  # recomputes float8 casts and gathers float8 again
 }
 

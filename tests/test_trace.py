@@ -149,6 +149,22 @@ def test_context_parallel_gathers_keys_and_values_in_forward_and_reduce_scatters
     assert code == 0, out + err
 
 
+@pytest.mark.slow
+def test_ulysses_sends_heads_all_to_all_in_bf16_and_gathers_no_keys(train_once, capsys):
+    """The parity matrix's Ulysses CP2 bf16 run (2 blocks, 2 micro-batches per step): every block
+    sends q, k, v and the output all-to-all in forward and their gradients in backward, in bf16,
+    2 x 2 x 4 = 16 calls each way; no keys or values are all-gathered: the only all-gathers are
+    FSDP2's, one per unit and micro-batch in forward (3 units: 2 blocks and the root, x 2) and
+    again for the first block in backward, and the only reduce-scatters its fp32 gradients."""
+    layout_run(train_once, "cp_ulysses", BF16)
+    world, args = SHARED["cp_ulysses"]
+    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
+                           "--expect", "forward:all_to_all:bf16=16", "--expect", "backward:all_to_all:bf16=16",
+                           "--expect", "forward:all_gather:bf16=6", "--expect", "backward:all_gather:bf16=2",
+                           "--expect", "backward:reduce_scatter:fp32", "--expect", "forward:!reduce_scatter")
+    assert code == 0, out + err
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["{tmp}/missing"], "does not exist"),
     (["{tmp}"], "no trace rank*.json"),

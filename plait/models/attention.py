@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
 from plait.models.flavors import ModelArgs
+from plait.models.masking import additive, allowed
 from plait.models.norms import ProjectionNorm, RMSNorm
 from plait.models.rope import apply_rope
 
@@ -30,11 +33,11 @@ class ScaledDotProduct(nn.Module):
     """softmax(q k^T / sqrt(d)) v over q, k, v [batch, heads, seq, head_dim], k and v with the
     key/value heads (grouped-query attention, which SDPA's `enable_gqa` computes without a
     repeated copy of k and v: 20% less time forward + backward than repeating them). `mask`:
-    None = causal over the sequence, SDPA's causal path; a mask tensor: `masked_attention`; a
-    BlockMask: FlexAttention. `queries`: where this rank's query rows lie in the sequence, as
-    (first index, length) runs (default: the last q.shape[2] keys' positions, one run). A module
-    of its own so context parallelism can hand it the whole sequence's keys and values, and its
-    queries' runs (a forward pre-hook), without touching the model."""
+    None = causal over the sequence, SDPA's causal path; document ids [batch, keys]:
+    `masked_attention`; a BlockMask: FlexAttention. `queries`: where this rank's query rows lie
+    in the sequence, as (first index, length) runs (default: the last q.shape[2] keys' positions,
+    one run). A module of its own so context parallelism can hand it the keys and values (and
+    queries) it needs, and its queries' runs (forward hooks), without touching the model."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
                 queries: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
@@ -45,23 +48,38 @@ class ScaledDotProduct(nn.Module):
         return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
+                    first: int) -> torch.Tensor:
+    """One query block (sequence indices `first` on) over the keys k and v hold, under the mask
+    built from `documents` here, in q's dtype (the compute dtype SDPA would convert it to)."""
+    rows = torch.arange(first, first + q.shape[2], device=q.device)
+    mask = additive(allowed(documents, rows, k.shape[2]), q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
                      queries: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """SDPA under a mask that is causal within (the document mask, or cp's causal rows): each
-    block of QUERY_BLOCK query rows attends over the keys up to its last row only. SDPA's causal
-    path skips the blocks above the diagonal, but under a mask it computes every block and
-    discards the masked ones: at seq 8192 that doubled attention's work. `enable_gqa` keeps k and
-    v unrepeated (saved so for backward; on a 2-core CPU at seq 2048 also 3x faster than
-    repeating them under a mask). Block outputs are joined in the [batch, seq, heads, head_dim]
-    layout SDPA writes, so the join is the one copy the output projection reads (no transpose
-    copy after it)."""
+    """SDPA under the document mask (or cp's causal rows: documents all zeros), one block of
+    QUERY_BLOCK query rows at a time over the keys up to its last row only: SDPA's causal path
+    skips the blocks above the diagonal, but under a mask it computes every block and discards
+    the masked ones (at seq 8192 that doubled attention's work). Each block's mask is built from
+    the document ids, and each block is checkpointed (eager): backward builds the mask and the
+    block's attention again rather than keep the mask (queries x keys, in the compute dtype) and
+    the block's output and log-sum-exp; the recompute costs one more forward of attention, the
+    memory is one block's mask at a time. `enable_gqa` keeps k and v unrepeated (on a 2-core
+    CPU at seq 2048 also 3x faster than repeating them under a mask). Block outputs are joined
+    in the [batch, seq, heads, head_dim] layout SDPA writes, so the join is the one copy the
+    output projection reads (no transpose copy after it)."""
     outputs, row = [], 0
     for start, length in queries:
         for offset in range(0, length, QUERY_BLOCK):
             rows = slice(row + offset, row + min(offset + QUERY_BLOCK, length))
             end = start + rows.stop - row  # one past this block's last query: the keys it may see
-            out = F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end],
-                                                 attn_mask=mask[..., rows, :end], enable_gqa=True)
+            inputs = (q[:, :, rows], k[:, :, :end], v[:, :, :end], documents, start + offset)
+            # (Compiled, the partitioner decides what backward keeps: torch 2.13 cannot trace this
+            # checkpoint around TP's tensors.)
+            recompute = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            out = checkpoint(block_attention, *inputs, use_reentrant=False) if recompute else block_attention(*inputs)
             outputs.append(out.transpose(1, 2))
         row += length
     return (torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]).transpose(1, 2)
@@ -96,8 +114,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to every earlier position's keys and values too
             k, v = cache.extend(self, k, v)
-            # Causal within the new positions; every cached one lies before them all.
-            mask = torch.ones(seq, k.shape[1], dtype=torch.bool, device=x.device).tril(k.shape[1] - seq)
+            # Causal within the new positions; every cached one lies before them all: one document.
+            mask = torch.zeros(batch, k.shape[1], dtype=torch.long, device=x.device)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -17,7 +17,6 @@ from torch import nn
 
 from plait.models.attention import Attention, KVCache
 from plait.models.flavors import ModelArgs
-from plait.models.masking import additive
 from plait.models.mlp import FeedForward
 from plait.models.moe import MoE, moe_layers
 from plait.models.norms import RMSNorm
@@ -79,18 +78,14 @@ class Transformer(nn.Module):
                 moe.router.bias.zero_()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask=None) -> torch.Tensor:
         """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
-        `mask` (plait/models/masking.py): which keys each query sees, None = causal over the sequence."""
+        `mask` (plait/models/masking.py): which keys each query sees: None = causal over the
+        sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMask."""
         # A pipeline stage lacks some parts: what it lacks, the activations pass through.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         start = cache.length if cache is not None else 0
         rope = self.rope[positions] if positions is not None else self.rope[start:]
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-            # Once for every layer, in the dtype q has (autocast's, else the activations'), so
-            # SDPA neither converts nor saves a copy per layer.
-            autocast = torch.is_autocast_enabled(x.device.type)
-            mask = additive(mask, torch.get_autocast_dtype(x.device.type) if autocast else x.dtype)
         for layer in self.layers.values():
             x = layer(x, rope, mask=mask, cache=cache)
         return self.output(self.norm(x)) if self.output is not None else x

@@ -13,7 +13,18 @@ order as without cp. K/V travel in the compute dtype, and so do their gradients:
 partial dK/dV is already rounded to it by the attention kernel, and at cp 2 a sum of two
 operands rounds once whether it is taken in bf16 or in fp32 (at larger cp bf16 rounds once per
 partial sum). This all-gather form runs on gloo as on NCCL; it holds the full K/V of one layer
-at a time (a ring that passes them rank to rank would hold two chunks; plait has none yet).
+at a time.
+
+`cp_kind ulysses` (DeepSpeed-Ulysses) moves heads instead: an all-to-all turns each rank's
+sequence chunks of q, k and v (every head) into the whole sequence of 1/cp of the heads;
+attention runs locally on whole sequences, under whatever mask the model uses (SDPA's causal
+path where it is causal), and a second all-to-all turns the output back into sequence chunks
+of every head. Per layer it moves q, k, v and the output once each way (4 x tokens x heads /
+cp), where the all-gather moves the whole sequence's K/V to every rank: Ulysses' bytes per rank
+stay flat as cp grows, the all-gather's grow with it. Key/value heads split over cp too; where
+cp does not divide them (grouped-query attention, or TP leaving one head per rank) they are
+repeated up to the least multiple of cp first, each query head still meeting its own group's
+keys, as DeepSpeed and torchtitan do.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.config import ConfigError, JobConfig
-from plait.models.masking import allowed, block_mask, document_ids, positions_in_documents
+from plait.models.flavors import ModelArgs
+from plait.models.masking import block_mask, document_ids, positions_in_documents
 from plait.models.moe import moe_layers
 
 
@@ -44,9 +56,30 @@ def check_context_parallel(cfg: JobConfig) -> None:
         raise ConfigError(f"training.seq_len: {t.seq_len} does not split into 2 x cp = {2 * p.cp} equal chunks "
                           f"(parallelism.cp {p.cp} load-balances causal attention with two chunks per rank); "
                           f"allowed: a multiple of {2 * p.cp}")
+    if p.cp_kind == "hybrid" and not (1 < p.cp_ulysses < p.cp and p.cp % p.cp_ulysses == 0):
+        raise ConfigError(f"parallelism.cp_ulysses: {p.cp_ulysses} with cp_kind hybrid must divide cp {p.cp} and lie "
+                          f"strictly between 1 and it (1 is allgather, cp is ulysses); allowed: "
+                          f"{[d for d in range(2, p.cp) if p.cp % d == 0] or 'none at this cp'}")
+    if p.cp_kind != "hybrid" and p.cp_ulysses:
+        raise ConfigError(f"parallelism.cp_ulysses: {p.cp_ulysses} is the Ulysses degree of cp_kind hybrid; with "
+                          f"cp_kind {p.cp_kind} allowed: 0")
     if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
         raise ConfigError(f"training.seq_len: each cp rank's {t.seq_len // p.cp} tokens do not split over tp {p.tp} "
                           f"(parallelism.sequence_parallel); allowed: a multiple of {math.lcm(2 * p.cp, p.cp * p.tp)}")
+
+
+def check_heads(args: ModelArgs, cfg: JobConfig) -> None:
+    """Ulysses splits each tp rank's query heads over cp (hybrid: over cp_ulysses): one line
+    before any process group."""
+    p = cfg.parallelism
+    heads = args.n_heads // p.tp
+    if p.cp > 1 and p.cp_kind == "ulysses" and heads % p.cp:
+        raise ConfigError(f"parallelism.cp: {p.cp} does not divide the {heads} query heads each tp rank holds "
+                          f"(parallelism.cp_kind ulysses splits them over cp); allowed: a divisor of {heads}, or "
+                          f"cp_kind allgather or hybrid")
+    if p.cp > 1 and p.cp_kind == "hybrid" and heads % p.cp_ulysses:
+        raise ConfigError(f"parallelism.cp_ulysses: {p.cp_ulysses} does not divide the {heads} query heads each tp "
+                          f"rank holds; allowed: a divisor of {heads} and of cp {p.cp}")
 
 
 def chunk_indices(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
@@ -63,13 +96,47 @@ def sequence_order(gathered: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
     return torch.cat([first, second], dim).flatten(dim, dim + 1)
 
 
+def rank_order(x: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
+    """The inverse of `sequence_order`: chunks c0 ... c2cp-1 regrouped as [r0: c0 c2cp-1][r1: c1 c2cp-2]..."""
+    parts = x.unflatten(dim, (2, cp, -1))
+    first, second = parts.select(dim, 0), parts.select(dim, 1).flip(dim)
+    return torch.stack([first, second], dim + 1).flatten(dim, dim + 2)
+
+
+def heads_to_ranks(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[batch, heads, chunk, d] of every head -> [batch, heads / n, n x chunk, d]: this rank's
+    share of the heads over the chunks of the n ranks of `group`, rank by rank (one all-to-all,
+    with autograd)."""
+    batch, heads, chunk, d = x.shape
+    x = x.reshape(batch, n, heads // n, chunk, d).movedim(1, 0).contiguous()  # slice j goes to rank j
+    x = funcol.all_to_all_single_autograd(x, None, None, group)  # slice j came from rank j: its chunks
+    return x.movedim(0, 2).flatten(2, 3)
+
+
+def ranks_to_heads(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """The inverse of `heads_to_ranks`: [batch, heads / n, n x chunk, d] -> [batch, heads, chunk, d]."""
+    batch, heads, length, d = x.shape
+    x = x.unflatten(2, (n, length // n)).movedim(2, 0).contiguous()  # rank j's chunks go back to rank j
+    x = funcol.all_to_all_single_autograd(x, None, None, group)  # slice j: heads group j of this rank's chunks
+    return x.movedim(0, 1).flatten(1, 2)
+
+
+def repeat_kv(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """Key/value heads repeated (each in place, so query head i still meets group i // (heads /
+    kv heads)) up to the least multiple of cp: all-to-all splits them over cp."""
+    kv = x.shape[1]
+    return x.repeat_interleave(math.lcm(kv, cp) // kv, dim=1) if kv % cp else x
+
+
 class BatchLayout:
     """What this rank's model gets of each micro-batch: (tokens, labels, forward kwargs). Under the
     causal mask without cp, the batch as it is (SDPA's causal path); else RoPE positions and a
-    mask (plait/models/masking.py) for this rank's share of the sequence."""
+    mask (plait/models/masking.py) for this rank's share of the sequence. Under Ulysses
+    (`whole_sequences`: attention meets whole sequences) the causal mask needs no mask either."""
 
-    def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int):
+    def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int, whole_sequences: bool = False):
         self.document, self.kernel, self.eos, self.rank, self.cp = mask == "document", kernel, eos, cp_rank, cp
+        self.whole_sequences = whole_sequences
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if not self.document and self.cp == 1:
@@ -82,17 +149,31 @@ class BatchLayout:
         else:
             documents = torch.zeros_like(inputs)
             positions = torch.arange(seq, device=inputs.device).expand(batch, -1)
-        mask = block_mask(documents, queries) if self.kernel == "flex" else allowed(documents, queries)
+        mask = {"mask": block_mask(documents, queries) if self.kernel == "flex" else documents}
+        if not self.document and self.whole_sequences:
+            mask = {}  # SDPA's causal path, on each head's whole sequence
         if self.cp == 1:  # the whole sequence: nothing to shard
-            return inputs, labels, {"positions": positions, "mask": mask}
-        return inputs[:, queries], labels[:, queries], {"positions": positions[:, queries], "mask": mask}
+            return inputs, labels, {"positions": positions, **mask}
+        return inputs[:, queries], labels[:, queries], {"positions": positions[:, queries], **mask}
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Hand every attention kernel the whole sequence's keys and values and where its queries
-    lie in the sequence (a pre-hook on each block's `attention.core`), and every mixture of
-    experts the sum over the cp ranks of its routing's counts: the model itself is untouched."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", ulysses_degree: int = 0) -> None:
+    """Hand every attention kernel what it needs of the whole sequence (forward hooks on each
+    block's `attention.core`): under allgather the sequence's keys and values and where its
+    queries lie in the sequence; under ulysses the whole sequence of its share of the heads, its
+    output turned back into this rank's chunks; under hybrid Ulysses over groups of
+    `ulysses_degree` neighbouring cp ranks, then the all-gather of those heads' keys and values
+    over the groups. Every mixture of experts gets the sum over the cp ranks of its routing's
+    counts. The model itself is untouched."""
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
+    if kind == "hybrid":  # cp rank = group index x ulysses_degree + rank in its Ulysses group
+        split = cp_mesh._unflatten(0, (cp // ulysses_degree, ulysses_degree), ("cp_allgather", "cp_ulysses"))
+        heads_group, keys_group = split["cp_ulysses"].get_group(), split["cp_allgather"].get_group()
+    n = cp if kind == "ulysses" else ulysses_degree
+
+    def chunk_runs(ranks, chunk: int) -> tuple[tuple[int, int], ...]:
+        """Where the chunks of cp ranks `ranks` lie in the sequence: chunks r and 2·cp-1-r of each."""
+        return tuple(run for r in ranks for run in ((r * chunk, chunk), ((2 * cp - 1 - r) * chunk, chunk)))
 
     def whole_sequence(module, args):
         q, k, v, mask = args
@@ -100,10 +181,29 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         # backward reduce-scatters the gradients); funcol keeps it traceable by torch.compile.
         k, v = (sequence_order(funcol.all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=group), cp, 2)
                 for t in (k, v))
-        chunk = q.shape[2] // 2  # this rank's queries: chunks rank and 2·cp-1-rank, where they lie
-        return q, k, v, mask, ((rank * chunk, chunk), ((2 * cp - 1 - rank) * chunk, chunk))
+        return q, k, v, mask, chunk_runs([rank], q.shape[2] // 2)
 
+    def head_shards(module, args):
+        q, k, v, mask = args
+        q, k, v = (sequence_order(heads_to_ranks(t, cp, group), cp, 2) for t in (q, repeat_kv(k, cp), repeat_kv(v, cp)))
+        return q, k, v, mask  # the whole sequence's queries: the mask's rows are all of it
+
+    def head_shards_then_keys(module, args):
+        q, k, v, mask = args
+        chunk = q.shape[2] // 2
+        q, k, v = (heads_to_ranks(t, n, heads_group) for t in (q, repeat_kv(k, n), repeat_kv(v, n)))
+        k, v = (sequence_order(funcol.all_gather_tensor_autograd(t, gather_dim=2, group=keys_group), cp, 2)
+                for t in (k, v))
+        first = rank - rank % n  # the queries: this Ulysses group's chunks, rank by rank
+        return q, k, v, mask, chunk_runs(range(first, first + n), chunk)
+
+    def back_to_chunks(module, args, out):
+        return ranks_to_heads(rank_order(out, cp, 2) if kind == "ulysses" else out, n, heads_group if kind == "hybrid" else group)
+
+    pre_hook = {"allgather": whole_sequence, "ulysses": head_shards, "hybrid": head_shards_then_keys}[kind]
     for block in model.layers.values():
-        block.attention.core.register_forward_pre_hook(whole_sequence)
+        block.attention.core.register_forward_pre_hook(pre_hook)
+        if kind != "allgather":
+            block.attention.core.register_forward_hook(back_to_chunks)
     for moe in moe_layers(model):  # its load-balancing loss over whole sequences, not this rank's chunks
         moe.sequence_sum, moe.sequence_ranks = functools.partial(funcol.all_reduce, reduceOp="sum", group=group), cp

@@ -118,11 +118,12 @@ def bandwidth(curves: dict) -> str:
 
 
 def table(rows: list[Row], memory_gib: float) -> str:
-    header = (f"{'layout':<44} {'ac':<9} {'mbs':>3} {'state':>7} {'activ.':>7} {'buffers':>7} {'total':>7} "
+    width = max([44, *(len(r.layout) for r in rows)])
+    header = (f"{'layout':<{width}} {'ac':<9} {'mbs':>3} {'state':>7} {'activ.':>7} {'buffers':>7} {'total':>7} "
               f"{'comm/step':>10} {'fits':>4} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6}")
     lines = [header]
     for r in rows:
-        lines.append(f"{r.layout:<44} {r.activation_checkpoint:<9} {r.micro_batch_size:>3} {r.state_gib:7.2f} "
+        lines.append(f"{r.layout:<{width}} {r.activation_checkpoint:<9} {r.micro_batch_size:>3} {r.state_gib:7.2f} "
                      f"{r.activations_gib:7.2f} {r.buffers_gib:7.2f} {r.total_gib:7.2f} {r.comm_bytes / GIB:7.2f} Gi "
                      f"{'yes' if r.fits else 'no':>4} {r.step_seconds:8.3g} {r.tokens_per_second_per_device:10,.0f} "
                      f"{r.mfu:6.1%}")
@@ -156,6 +157,7 @@ def launch_command(row: Row, train_argv: list[str], world: int, node_size: int) 
     degrees = dict(part.split("=") for part in row.layout.split(","))
     options = [*train_argv, *(f"--parallelism.{name} {degrees.get(name, '1')}"
                               for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")),
+               *(f"--parallelism.{name} {degrees[name]}" for name in ("cp_kind", "cp_ulysses") if name in degrees),
                f"--activation_checkpoint.mode {row.activation_checkpoint}"]
     if row.micro_batch_size and degrees.get("pp") == "1":
         options.append(f"--training.micro_batch_size {row.micro_batch_size}")

@@ -13,7 +13,7 @@ from plait.config import JobConfig, dp_degree
 from plait.models.flavors import ModelArgs
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
-                               rank_parameters, rank_stages, units)
+                               rank_parameters, rank_stages, ulysses_degree, ulysses_kv_heads, units)
 
 
 def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[tuple[str, str], int]:
@@ -64,13 +64,24 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     if p.dp_replicate > 1:  # the shard's gradients, all-reduced over the replicas
         out["backward", "all_reduce", "dp_replicate"] += reduce * sum(
             math.ceil(rows / layout.shard) * cols for rows, cols in (local_rows_cols(n, s, layout) for n, s in params.items()))
-    if p.cp > 1:
-        # Per micro-batch every block all-gathers its keys and values over cp in forward (the
-        # gather's output: the whole sequence's, in the compute dtype) and reduce-scatters their
-        # gradients in backward (its input, the same size); a checkpointed block gathers again.
-        ac = cfg.activation_checkpoint
-        recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))
-        kv = passes * tokens * p.cp * 2 * args.n_kv_heads // p.tp * args.head_dim * e
+    ac = cfg.activation_checkpoint
+    recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))
+    n = ulysses_degree(cfg)
+    if n > 1:
+        # Per micro-batch every block sends q, k and v (k and v repeated up to a multiple of n)
+        # all-to-all over its n Ulysses ranks, and the output back, in forward; their gradients in
+        # backward, where a checkpointed block's recompute sends the four again. The trace counts
+        # each buffer whole.
+        kv = ulysses_kv_heads(args.n_kv_heads // p.tp, n)
+        one = passes * tokens * 2 * (args.n_heads // p.tp + kv) * args.head_dim * e
+        out["forward", "all_to_all", "cp"] += len(blocks) * one
+        out["backward", "all_to_all", "cp"] += (len(blocks) + recomputed) * one
+    if 1 < p.cp != n:
+        # Per micro-batch every block all-gathers its keys and values over cp / n ranks in forward
+        # (the gather's output: the whole sequence's, in the compute dtype; under hybrid the
+        # heads its Ulysses group gave it) and reduce-scatters their gradients in backward (its
+        # input, the same size); a checkpointed block gathers again.
+        kv = passes * tokens * p.cp * 2 * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * args.head_dim * e
         out["forward", "all_gather", "cp"] += len(blocks) * kv
         out["backward", "all_gather", "cp"] += recomputed * kv
         out["backward", "reduce_scatter", "cp"] += len(blocks) * kv
@@ -83,8 +94,6 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # before the FFN's own reduce-scatter).
         first, last = "tok_embeddings.weight" in params, holds_output(args, params)
         activation = tokens * args.dim * e
-        ac = cfg.activation_checkpoint
-        recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))
         gathers, scatters = 2 * len(blocks) + last, 2 * len(blocks) + first  # in forward
         out["forward", "all_gather", "tp"] += passes * gathers * activation
         out["forward", "reduce_scatter", "tp"] += passes * scatters * activation
@@ -126,7 +135,6 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # Each MoE block sends every token's top_k copies to their experts' ranks and back by
         # all-to-all, in forward and again in backward (a checkpointed block's forward too):
         # the whole buffer as the trace counts it, when routing is balanced.
-        ac = cfg.activation_checkpoint
         moe = [b for b in block_indices(blocks) if args.sparse(b)]
         again = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & set(moe))
         copies = passes * tokens * args.top_k * args.dim * e

@@ -35,6 +35,8 @@ class Layout:
     tp: int
     cp: int = 1
     ep: int = 1  # borrows its ranks from dp_shard x cp: no factor of the world
+    cp_kind: str = "allgather"
+    cp_ulysses: int = 0  # hybrid's Ulysses degree
 
     @property
     def shard(self) -> int:
@@ -42,7 +44,9 @@ class Layout:
         return self.dp_shard * self.cp
 
     def __str__(self) -> str:  # the spelling `plait compare --run` takes
-        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        kind = f",cp_kind={self.cp_kind}" if self.cp_kind != "allgather" else ""
+        kind += f",cp_ulysses={self.cp_ulysses}" if self.cp_kind == "hybrid" else ""
+        cp = f",cp={self.cp}{kind}" if self.cp > 1 else ""
         ep = f",ep={self.ep}" if self.ep > 1 else ""
         return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard}{cp},tp={self.tp},pp={self.pp}{ep}"
 
@@ -138,19 +142,23 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
-                           cp: int = 1, joined: bool = False, moe: bool = False) -> int:
+                           cp: int = 1, moe: bool = False, heads_split: int = 1) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
     bf16), the normalised fp32 values and its output (8d + e*d) plus 1/rms (4); attention keeps
-    rotated q, repeated k and v and its output (4 * heads * head_dim * e) and its log-sum-exp
-    (4 per head); SwiGLU keeps w1 and w3 outputs, silu's and the product (4 * ffn * e).
+    rotated q, k and v unrepeated (SDPA's grouped-query path) and its output ((2 * heads + 2 *
+    kv heads) * head_dim * e) and its log-sum-exp (4 per head); SwiGLU keeps w1 and w3 outputs, silu's and the product (4 * ffn * e).
     selective keeps every matmul and attention output and the block input; full the input only.
     Under TP heads and FFN are split, the norms run on the sequence shard, and the q/k/v and
-    w1/w3 inputs are the gathered (full-sequence) norm outputs. Under a mask (the document mask,
-    or cp) attention keeps k and v unrepeated (SDPA's grouped-query path), those of the whole
-    sequence under cp: `tokens` x cp keys; run in several query blocks (`joined`), each block's
-    output is kept for its backward and their join for the output projection's. A q/k norm keeps
+    w1/w3 inputs are the gathered (full-sequence) norm outputs. Under all-gather cp k and v are
+    the whole sequence's: `tokens` x cp keys. Under a mask (the document mask, or all-gather cp)
+    the query blocks are checkpointed: attention keeps no log-sum-exp, and only the (joined)
+    output the output projection reads. Under Ulysses CP
+    (`ulysses`) attention keeps q, k and v of the whole sequence for heads / cp heads (k and v
+    repeated up to a multiple of cp), and the output projection keeps its own copy of the output
+    the second all-to-all returns; hybrid (`heads_split` < cp) keeps heads / heads_split heads of
+    the Ulysses group's chunks of q and of the whole sequence's k and v, under a mask. A q/k norm keeps
     its fp32 input and normalised values and 1/rms (8 * head_dim + 4 per head it normalises;
     over the projection, one 1/rms for all of them). Norms after the sub-layers (post_norm)
     keep what norms before them do: their fp32 input and values, and the linear layers keep the
@@ -168,10 +176,11 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
         matmuls = heads * hd + 2 * kv * hd + 2 * ffn + (1 + (not moe)) * d + (2 * d // tp if tp > 1 else 0)
         return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads) + experts
     norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
-    attention = tokens * 4 * heads * hd * e if not masked else \
-        (tokens * (2 + joined) * heads + tokens * cp * 2 * kv) * hd * e
+    keys = cp * ulysses_kv_heads(kv, heads_split) // heads_split  # the key/value heads x tokens kept, per rank
+    attention = tokens * (2 * heads + 2 * keys + (heads_split > 1 and not masked) * heads) * hd * e
+    log_sum_exp = 0 if masked else 4 * heads
     qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8}[args.qk_norm]
-    return norms + attention + tokens * (4 * heads + 4 * ffn * e + qk_norms) + experts
+    return norms + attention + tokens * (log_sum_exp + 4 * ffn * e + qk_norms) + experts
 
 
 def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
@@ -197,26 +206,32 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
     return record + rows * ((3 * d + 4 * h) * e + 16 + e) + router + n * 4 + casts + 4 * tokens * shared * e
 
 
+def ulysses_kv_heads(kv: int, n: int) -> int:
+    """Key/value heads Ulysses splits over n ranks: kv, or repeated up to the least multiple of n."""
+    return math.lcm(kv, n) if kv % n else kv
+
+
+def ulysses_degree(cfg: JobConfig) -> int:
+    """The ranks a layer's heads are split over by all-to-all: cp under Ulysses, cp_ulysses under
+    hybrid, else 1 (keys and values all-gathered over the rest of cp)."""
+    p = cfg.parallelism
+    return {"ulysses": p.cp, "hybrid": p.cp_ulysses}.get(p.cp_kind, 1) if p.cp > 1 else 1
+
+
 def masked(cfg: JobConfig) -> bool:
-    """Whether attention runs under a mask tensor: the document mask, or causal rows under cp."""
-    return cfg.model.attention_mask == "document" or cfg.parallelism.cp > 1
+    """Whether attention runs under a mask built from document ids: the document mask, or causal
+    rows under all-gather or hybrid cp (Ulysses' whole sequences take SDPA's causal path)."""
+    return cfg.model.attention_mask == "document" or 1 < cfg.parallelism.cp != ulysses_degree(cfg)
 
 
-def joined(cfg: JobConfig) -> bool:
-    """Whether masked attention runs in more than one query block (model.masked_attention):
-    always under cp (two chunks per rank), else beyond QUERY_BLOCK tokens."""
-    return masked(cfg) and (cfg.parallelism.cp > 1 or cfg.training.seq_len > QUERY_BLOCK)
-
-
-def mask_bytes(args: ModelArgs, cfg: JobConfig, sequences: int, e: int) -> int:
-    """What a forward under a mask keeps besides the blocks, shared by every layer: the additive
-    mask in the compute dtype (queries x keys of each sequence) and each token's RoPE rows (fp32).
-    (The boolean mask and the positions come with the batch, as its tokens do: inputs, not
-    activations.)"""
-    if not masked(cfg):
+def rope_rows_bytes(args: ModelArgs, cfg: JobConfig, sequences: int) -> int:
+    """What a forward given positions (the document mask, or cp) keeps besides the blocks,
+    shared by every layer: each token's RoPE rows (fp32). (No mask: each query block builds its
+    own from the document ids, which come with the batch, as its tokens and positions do:
+    inputs, not activations.)"""
+    if cfg.model.attention_mask == "causal" and cfg.parallelism.cp == 1:
         return 0
-    queries = cfg.training.seq_len // cfg.parallelism.cp
-    return sequences * queries * (cfg.training.seq_len * e + args.head_dim * 4)
+    return sequences * cfg.training.seq_len // cfg.parallelism.cp * args.head_dim * 4
 
 
 def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> int:
@@ -231,20 +246,20 @@ def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, 
     t, p = cfg.training, cfg.parallelism
     if stages is None:
         return _stage_activations(args, cfg, range(args.n_layers), True, t.micro_batch_size * t.seq_len // p.cp, e) + \
-            mask_bytes(args, cfg, t.micro_batch_size, e)
+            rope_rows_bytes(args, cfg, t.micro_batch_size)
     total, m, count = 0, microbatches(cfg), stage_count(cfg)
     for stage in stages:
         in_flight = {"gpipe": m, "1f1b": min(m, p.pp - stage)}.get(p.pp_schedule, min(m, count - stage))
         tokens = t.micro_batch_size // m * t.seq_len // p.cp
         total += in_flight * _stage_activations(args, cfg, stage_blocks(args, cfg, stage), stage == count - 1, tokens, e)
-    return total + mask_bytes(args, cfg, t.micro_batch_size, e)
+    return total + rope_rows_bytes(args, cfg, t.micro_batch_size)
 
 
 def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: bool, tokens: int, e: int) -> int:
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp, masked(cfg),
-                                       cfg.parallelism.cp, joined(cfg), args.sparse(i))
+                                       cfg.parallelism.cp, args.sparse(i), ulysses_degree(cfg))
                 for i in blocks)
     if last:
         vocab = args.vocab_size // tp
@@ -258,8 +273,9 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     """Workspace beside state and activations (an estimate): gathered parameters in the compute
     dtype (the root unit and two blocks, the one computing and the one prefetched, when FSDP
     shards; every parameter when it does not and compute is not fp32), one block's unsharded
-    fp32 gradients before their reduce-scatter, and the logits with their fp32 copy."""
-    p = cfg.parallelism
+    fp32 gradients before their reduce-scatter, the logits with their fp32 copy, and under a
+    mask one query block's mask (boolean and in the compute dtype) over the whole sequence."""
+    p, t = cfg.parallelism, cfg.training
     grouped = units(params)
     sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp, 1, p.ep)) for u in grouped}
     blocks = sorted((s for u, s in sizes.items() if u != "root"), reverse=True)
@@ -268,4 +284,6 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     else:
         gathered = e * sum(sizes.values()) if e != 4 else 0
     logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
-    return gathered + logits
+    queries = t.seq_len // p.cp * ulysses_degree(cfg)
+    mask = tokens // t.seq_len * min(QUERY_BLOCK, queries) * t.seq_len * (e + 1) if masked(cfg) else 0
+    return gathered + logits + mask

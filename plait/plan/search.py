@@ -20,6 +20,7 @@ from plait.plan.memory import Layout, activation_bytes, buffer_bytes, rank_param
 from plait.plan.speed import share, step_time
 
 AC_MODES = ("none", "selective", "full")
+CP_KINDS = ("allgather", "ulysses", "hybrid")
 GIB = 2**30
 
 
@@ -27,10 +28,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world: int, args: ModelArgs, cp: int = 0, ep: int = 0) -> list[Layout]:
+def layouts(world: int, args: ModelArgs, cp: int = 0, ep: int = 0, cp_kinds: tuple[str, ...] = CP_KINDS) -> list[Layout]:
     """Every (pp, dp_replicate, dp_shard, tp, cp) whose product is the world size; `cp`/`ep`
-    fixed where given (> 0). A mixture of experts also tries every ep that divides dp_shard x
-    cp and its experts."""
+    fixed where given (> 0), and every cp > 1 in each of `cp_kinds` (hybrid with every Ulysses
+    degree strictly between 1 and cp). A mixture of experts also
+    tries every ep that divides dp_shard x cp and its experts."""
     found = []
     for pp in divisors(world):
         for tp in divisors(world // pp):
@@ -41,7 +43,10 @@ def layouts(world: int, args: ModelArgs, cp: int = 0, ep: int = 0) -> list[Layou
                     shard = world // (pp * tp * c * r)
                     experts = [ep] if ep else [e for e in divisors(shard * c) if args.n_experts % e == 0] \
                         if args.n_experts else [1]
-                    found += [Layout(pp, r, shard, tp, c, e) for e in experts]
+                    kinds = [(kind, 0) for kind in cp_kinds if kind != "hybrid"] if c > 1 else [(CP_KINDS[0], 0)]
+                    if c > 1 and "hybrid" in cp_kinds:
+                        kinds += [("hybrid", d) for d in divisors(c)[1:-1]]
+                    found += [Layout(pp, r, shard, tp, c, e, *kind) for e in experts for kind in kinds]
     return found
 
 
@@ -52,6 +57,7 @@ def job(cfg: JobConfig, layout: Layout, ac: str, micro_batch: int, world: int) -
     p = cfg.parallelism
     p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp,
                                                           layout.cp, layout.ep)
+    p.cp_kind, p.cp_ulysses = layout.cp_kind, layout.cp_ulysses
     cfg.training.micro_batch_size = micro_batch if layout.pp == 1 else 0
     cfg.activation_checkpoint.mode = ac
     return check_options(cfg, world)
@@ -80,9 +86,11 @@ class Row:
 def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
     """The start-up checks that need the model: TP divisibility, pipeline and expert options."""
     from plait.parallel.pipeline import check_pipeline
+    from plait.parallel.context_parallel import check_heads
     from plait.parallel.tensor_parallel import check_divisibility
 
     check_divisibility(args, cfg)
+    check_heads(args, cfg)
     p = cfg.parallelism
     if p.pp > 1:
         check_pipeline(cfg)
@@ -99,7 +107,7 @@ def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, 
 
     p, t = cfg.parallelism, cfg.training
     e = cal.compute_bytes(t.mixed_precision_param)
-    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep, p.cp_kind, p.cp_ulysses)
     largest, slowest = None, None
     for pp_rank in range(p.pp):  # every pp rank: its stages differ in what they hold and compute
         stages = rank_stages(cfg, pp_rank)
@@ -148,7 +156,9 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, cal
     """Rows for every runnable layout x AC mode x micro-batch, best first; and why each other layout cannot run."""
     rows, refused = [], {}
     p = base.parallelism
-    for layout in layouts(world, args, p.cp if p.cp > 1 else 0, p.ep if p.ep > 1 else 0):
+    # (a cp_kind asked for is kept; the default, allgather, is searched beside ulysses)
+    kinds = (p.cp_kind,) if p.cp_kind != CP_KINDS[0] else CP_KINDS
+    for layout in layouts(world, args, p.cp if p.cp > 1 else 0, p.ep if p.ep > 1 else 0, kinds):
         for micro_batch in micro_batches(base, layout):
             for ac in AC_MODES:
                 try:

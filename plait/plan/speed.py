@@ -31,8 +31,8 @@ from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed
-from plait.plan.memory import (Layout, block_activation_bytes, block_indices, holds_output, joined, local_rows_cols,
-                               masked, parameter_shapes, rank_parameters, stage_blocks, units)
+from plait.plan.memory import (Layout, block_activation_bytes, block_indices, holds_output, local_rows_cols,
+                               masked, parameter_shapes, rank_parameters, stage_blocks, ulysses_degree, units)
 
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written
@@ -69,24 +69,31 @@ def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: in
         else:
             rows, cols = local_rows_cols(name, shape, layout)
             calls.append(2.0 * tokens * rows * cols)
-    # scores and values per head: 2 x queries x keys x head_dim each, half of it under a causal
-    # mask the kernel skips (no mask tensor)
+    return calls + attention_matmuls(args, tokens, seq_len, tp, causal)
+
+
+def attention_matmuls(args: ModelArgs, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
+    """Scores and values per head and sequence: 2 x queries x keys x head_dim FLOPs each, half
+    of it under a causal mask the kernel skips (no mask tensor)."""
     sequences = max(1, tokens // seq_len)
     one = 2.0 * tokens / sequences * seq_len * args.head_dim * (0.5 if causal else 1.0)
-    calls += [one] * (2 * args.n_heads // tp * sequences)
-    return calls
+    return [one] * (2 * args.n_heads // tp * sequences)
 
 
 def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int, cal: Calibration, cores: float,
-                  tp: int = 1, cp: int = 1, causal: bool = True, is_masked: bool = False, is_joined: bool = False,
-                  recompute: bool = False) -> float:
+                  tp: int = 1, cp: int = 1, causal: bool = True, is_masked: bool = False,
+                  recompute: bool = False, heads_split: int = 1) -> float:
     """One block's forward and backward (and a recomputed forward) on a rank: matmuls at their
-    size's speed, element-wise work at the calibrated element-wise speed, the host's operators."""
+    size's speed, element-wise work at the calibrated element-wise speed, the host's operators.
+    Under a mask attention's forward runs again in backward (its query blocks are checkpointed)."""
     dtype = dtype_name(e)
     passes = 3 + recompute
     matmuls = sum(passes * flops / cal.rate(dtype, flops, cores)
                   for flops in block_matmuls(args, block, tokens, seq_len, tp, causal))
-    saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, is_joined, args.sparse(block))
+    if is_masked:
+        matmuls += sum(flops / cal.rate(dtype, flops, cores)
+                       for flops in attention_matmuls(args, tokens, seq_len, tp, causal))
+    saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split)
     elementwise = ELEMENTWISE_PASSES * (1 + recompute / 3) * saved / cal.elementwise_rate(dtype, tokens * args.dim * e,
                                                                                           cores)
     dense, sparse, _ = operator_counts(args)
@@ -106,11 +113,11 @@ def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | Non
     blocks = block_indices([u for u in units(params) if u != "root"])
     ac = cfg.activation_checkpoint
     recomputed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) if ac.mode == "full" else set()
-    causal = cfg.model.attention_mask == "causal" and p.cp == 1
+    causal = cfg.model.attention_mask == "causal" and not masked(cfg)
     kinds = Counter((args.sparse(b), b in recomputed) for b in blocks)  # blocks of one kind cost the same
     representative = {(args.sparse(b), b in recomputed): b for b in blocks}
     seconds = sum(n * block_seconds(args, representative[kind], tokens, t.seq_len, e, cal, cores, p.tp, p.cp, causal,
-                                    masked(cfg), joined(cfg), kind[1]) for kind, n in kinds.items())
+                                    masked(cfg), kind[1], ulysses_degree(cfg)) for kind, n in kinds.items())
     if holds_output(args, params):  # the output layer's matmuls, the logits and the loss's fp32 log-softmax
         flops = 2.0 * tokens * args.dim * args.vocab_size / p.tp
         seconds += 3 * flops / cal.rate(dtype_name(e), flops, cores)
@@ -164,12 +171,14 @@ def call_counts(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, passe
     """About how many calls a step's bytes of each dimension are spread over, for their message
     size: FSDP gathers each unit forward and backward and reduce-scatters it; TP gathers and
     scatters each block's two inputs and outputs, forward and backward; CP gathers K and V
-    forward and again when recomputing, then reduce-scatters; a stage sends and receives each
-    micro-batch both ways; EP sends out and back, forward and backward."""
+    forward and again when recomputing, then reduce-scatters (Ulysses: q, k, v and the output
+    all-to-all, forward and backward; hybrid both); a stage sends and receives each micro-batch both ways;
+    EP sends out and back, forward and backward."""
     blocks = len(range(args.n_layers)) if stages is None else sum(len(stage_blocks(args, cfg, s)) for s in stages)
     units_ = blocks + 1
+    cp_calls = 8 * (ulysses_degree(cfg) > 1) + 3 * (cfg.parallelism.cp_kind != "ulysses")
     return {"dp_shard": 3 * units_ * passes, "dp_replicate": units_, "tp": 8 * blocks * passes + 4,
-            "cp": 3 * blocks * passes, "pp": 4 * passes * max(1, len(stages or [])), "ep": 4 * blocks * passes}
+            "cp": cp_calls * blocks * passes, "pp": 4 * passes * max(1, len(stages or [])), "ep": 4 * blocks * passes}
 
 
 def step_time(args: ModelArgs, cfg: JobConfig, world: int, stages: list[int] | None, comm: Counter, e: int,
@@ -209,5 +218,5 @@ def measured_elementwise(args: ModelArgs, tokens: int, seq_len: int, device, dty
     e = dtype.itemsize
     unrated = replace(cal, elementwise={str(dtype).removeprefix("torch."): float("inf")})
     rest = seconds - block_seconds(one, 0, tokens, seq_len, e, unrated, cal.cpu_share)
-    saved = block_activation_bytes(one, tokens, e, "none", 1, False, 1, False, one.sparse(0))
+    saved = block_activation_bytes(one, tokens, e, "none", 1, False, 1, one.sparse(0))
     return ELEMENTWISE_PASSES * saved / max(rest, 0.1 * seconds)

@@ -39,7 +39,7 @@ from plait import host_memory
 from plait.config import Data, Flavor, Training
 from plait.data import build_tokenizer, eos_id
 from plait.hardware import linear_shapes, peak_flops
-from plait.models.masking import allowed, document_ids, positions_in_documents
+from plait.models.masking import document_ids, positions_in_documents
 from plait.metrics.logger import Utilisation, peak_memory_gib, state_memory_gib
 from plait.models.transformer import Transformer, cross_entropy, flops_per_token, linear_weight_shapes
 from plait.models.flavors import model_args
@@ -142,8 +142,7 @@ def train(cfg: BaselineConfig) -> None:
         inputs, labels, attention = batch[:, :-1], batch[:, 1:], {}
         if cfg.attention_mask == "document":
             documents = document_ids(inputs, eos)
-            attention = {"positions": positions_in_documents(documents),
-                         "mask": allowed(documents, torch.arange(cfg.seq_len, device=device))}
+            attention = {"positions": positions_in_documents(documents), "mask": documents}
         with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             logits = model(inputs).logits if cfg.model == "transformers" else model(inputs, **attention)
             loss = cross_entropy(logits, labels)

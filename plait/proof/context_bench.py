@@ -1,5 +1,6 @@
-"""`plait bench-context`: long sequences side by side, sequence length x (CP1, CP2) x (causal,
-document mask), on one model (default `small`), fp32.
+"""`plait bench-context`: long sequences side by side, sequence length x (CP1, and each cp degree
+in each cp kind: all-gather, Ulysses) x (causal, document mask), on one model (default `small`,
+optionally cut to fewer blocks), fp32.
 
 Each cell is a real `plait train` run (`plait bench`'s runner) of one sequence per step: tokens/s
 (the median after warm-up), rank 0's peak memory (on a CPU its peak RSS: the process, its state
@@ -15,6 +16,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from plait.arguments import parse, parse_args
 from plait.checks import check_options
@@ -30,6 +32,11 @@ MASKS = ("causal", "document")
 class ContextBenchConfig:
     flavor: Flavor = "small"
     seq_lens: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    cps: tuple[int, ...] = (2,)
+    """cp degrees beside CP1 (each a run of that many ranks)"""
+    kinds: tuple[Literal["allgather", "ulysses"], ...] = ("allgather", "ulysses")
+    n_layers: int = 0
+    """blocks of the model; 0 = the flavor's (fewer make long sequences affordable on a CPU)"""
     steps: int = 4
     """optimizer steps per cell; the first `warmup` are not measured"""
     warmup: int = 2
@@ -39,41 +46,47 @@ class ContextBenchConfig:
     """also write every number as JSON"""
 
 
-def predicted_activations(flavor: str, seq_len: int, cp: int, mask: str) -> int:
-    cfg = check_options(parse_args(["--model.flavor", flavor, "--training.seq_len", str(seq_len),
-                                    "--training.global_batch_size", "1", "--parallelism.cp", str(cp),
-                                    "--parallelism.dp_shard", "1", "--model.attention_mask", mask,
-                                    "--training.mixed_precision_param", "float32"]), cp)
-    return activation_bytes(model_shape(cfg), cfg, None, 4)
+def flags(cfg: ContextBenchConfig, cp: int, kind: str) -> list[str]:
+    return ["--parallelism.cp", str(cp), "--parallelism.dp_shard", "1", "--parallelism.cp_kind", kind,
+            "--model.n_layers", str(cfg.n_layers)]
+
+
+def predicted_activations(cfg: ContextBenchConfig, seq_len: int, cp: int, kind: str, mask: str) -> int:
+    job = check_options(parse_args(["--model.flavor", cfg.flavor, "--training.seq_len", str(seq_len),
+                                    "--training.global_batch_size", "1", *flags(cfg, cp, kind),
+                                    "--model.attention_mask", mask, "--training.mixed_precision_param", "float32"]), cp)
+    return activation_bytes(model_shape(job), job, None, 4)
 
 
 def measure(cfg: ContextBenchConfig) -> list[dict]:
     cells = []
     with tempfile.TemporaryDirectory() as tmp:
         for seq_len in cfg.seq_lens:
-            for cp in (1, 2):
+            for cp, kind in [(1, "allgather"), *((cp, kind) for cp in cfg.cps for kind in cfg.kinds)]:
                 for mask in MASKS:
                     bench = BenchConfig(flavor=cfg.flavor, steps=cfg.steps, warmup=cfg.warmup, seq_len=seq_len,
                                         global_batch_size=1, threads=cfg.threads, attention_mask=mask)
-                    flags = ["--parallelism.cp", str(cp), "--parallelism.dp_shard", "1"]
-                    print(f"bench-context: seq {seq_len}, cp {cp}, {mask} ...", file=sys.stderr, flush=True)
-                    row = run_row(bench, cfg.flavor, f"cp{cp}", cp, flags, "float32",
-                                  Path(tmp) / f"{seq_len}-{cp}-{mask}")
-                    cells.append({"seq_len": seq_len, "cp": cp, "mask": mask, "tokens_per_sec": row["tokens_per_sec"],
-                                  "memory_gib": row["memory_gib"], "state_gib": row["state_gib"],
-                                  "activations_gib": predicted_activations(cfg.flavor, seq_len, cp, mask) / 2**30})
+                    label = "-" if cp == 1 else kind
+                    print(f"bench-context: seq {seq_len}, cp {cp} {label}, {mask} ...", file=sys.stderr, flush=True)
+                    row = run_row(bench, cfg.flavor, f"cp{cp}", cp, flags(cfg, cp, kind), "float32",
+                                  Path(tmp) / f"{seq_len}-{cp}-{kind}-{mask}")
+                    cells.append({"seq_len": seq_len, "cp": cp, "kind": label, "mask": mask,
+                                  "tokens_per_sec": row["tokens_per_sec"], "memory_gib": row["memory_gib"],
+                                  "state_gib": row["state_gib"],
+                                  "activations_gib": predicted_activations(cfg, seq_len, cp, kind, mask) / 2**30})
     return cells
 
 
 def markdown(cells: list[dict]) -> str:
-    at = {(c["seq_len"], c["cp"], c["mask"]): c for c in cells}
-    lines = ["| seq_len | cp | mask | tokens/s | vs causal | peak memory GiB (rank 0) | activations GiB (plan) "
-             "| activations vs CP1 |", "|---|---|---|---|---|---|---|---|"]
+    at = {(c["seq_len"], c["cp"], c["kind"], c["mask"]): c for c in cells}
+    lines = ["| seq_len | cp | kind | mask | tokens/s | vs causal | peak memory GiB (rank 0) | document vs causal "
+             "| activations GiB (plan) | activations vs CP1 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        causal = at[c["seq_len"], c["cp"], "causal"]
-        cp1 = at[c["seq_len"], 1, c["mask"]]
-        lines.append(f"| {c['seq_len']} | {c['cp']} | {c['mask']} | {c['tokens_per_sec']:.0f} | "
+        causal = at[c["seq_len"], c["cp"], c["kind"], "causal"]
+        cp1 = at[c["seq_len"], 1, "-", c["mask"]]
+        lines.append(f"| {c['seq_len']} | {c['cp']} | {c['kind']} | {c['mask']} | {c['tokens_per_sec']:.0f} | "
                      f"{c['tokens_per_sec'] / causal['tokens_per_sec']:.2f}x | {c['memory_gib']:.2f} | "
+                     f"{c['memory_gib'] / causal['memory_gib']:.3f} | "
                      f"{c['activations_gib']:.2f} | {c['activations_gib'] / cp1['activations_gib']:.3f} |")
     return "\n".join(lines)
 
