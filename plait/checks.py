@@ -50,6 +50,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
+    if cfg.model.max_seq_len < 0:
+        raise ConfigError(f"model.max_seq_len: must be >= 0 (0 = the flavor's), got {cfg.model.max_seq_len}")
     if cfg.model.n_layers < 0:
         raise ConfigError(f"model.n_layers: must be >= 0 (0 = the flavor's), got {cfg.model.n_layers}")
     if cfg.activation_checkpoint.every < 1:

@@ -29,7 +29,7 @@ subcommands:
   generate         continue a text: plait generate --checkpoint DIR --prompt TEXT [--temperature 0]
   eval             score a checkpoint on multiple-choice tasks: plait eval --checkpoint DIR [--tasks FILE.jsonl]
   bench            measure layouts x precisions side by side (plait bench --help)
-  bench-context    long sequences: seq_len x (CP1, CP2 all-gather/Ulysses) x (causal, document), tokens/s and memory
+  bench-context    long sequences: seq_len x cp x cp kind x (causal, document), tokens/s and memory
   compare          train under several layouts from one seed, compare losses (plait compare --help)
   plan             predicted memory, communication and step time of every layout: plait plan --world N --device_memory_gib G
   trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...

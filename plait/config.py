@@ -40,6 +40,8 @@ class Model:
     as --checkpoint.load, else debug"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
+    max_seq_len: int = 0
+    """the longest sequence the model takes (its RoPE table); 0 = the flavor's (e.g. small at 32768 tokens)"""
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
     attention_mask: Literal["document", "causal"] = "document"

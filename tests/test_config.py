@@ -69,6 +69,7 @@ def test_unknown_config_name_lists_named_configs():
     (["--data.tokenizer", "/no/such/tokenizer.json"], "data.tokenizer"),
     (["--profiling.steps", "0"], "profiling.steps: must be >= 1"),
     (["--activation_checkpoint.every", "0"], "activation_checkpoint.every: must be >= 1"),
+    (["--model.max_seq_len", "-1"], "model.max_seq_len: must be >= 0"),
     (["--activation_checkpoint.mode", "full", "--parallelism.dp_backend", "simple_fsdp", "--compile.enable"],
      "activation_checkpoint.mode: full under simple_fsdp with compile.enable"),
     (["--profiling.enable", "--profiling.folder", ""], "profiling.folder"),

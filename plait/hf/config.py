@@ -196,7 +196,8 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     folder = hf_folder(cfg)
     if folder is None:
         args = flavor_args(cfg.model.flavor.replace("auto", "debug"), tokenizer_vocab, cfg.model.n_layers)
-        return replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings)
+        return replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings,
+                       max_seq_len=cfg.model.max_seq_len or args.max_seq_len)
     args = model_args(folder, "checkpoint.load")
     if cfg.model.tie_embeddings and not args.tie_embeddings:
         raise ConfigError(f"model.tie_embeddings: {folder} has an output layer of its own (tie_word_embeddings false)")
@@ -207,6 +208,9 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
             raise ConfigError(f"model.flavor: {cfg.model.flavor} is not the model of {folder} "
                               f"({describe_difference(flavor, args)} in its config.json); leave model.flavor out to "
                               "train the folder's model")
+    if cfg.model.max_seq_len not in (0, args.max_seq_len):
+        raise ConfigError(f"model.max_seq_len: {cfg.model.max_seq_len}, but {folder} takes {args.max_seq_len} "
+                          f"positions (max_position_embeddings); allowed: 0 or {args.max_seq_len}")
     if cfg.model.n_layers not in (0, args.n_layers):
         raise ConfigError(f"model.n_layers: {cfg.model.n_layers}, but {folder} has {args.n_layers} blocks; allowed: "
                           f"0 or {args.n_layers}")

@@ -8,7 +8,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from plait.models.flavors import ModelArgs

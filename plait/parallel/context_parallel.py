@@ -166,10 +166,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
     over the groups. Every mixture of experts gets the sum over the cp ranks of its routing's
     counts. The model itself is untouched."""
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
+    n, heads_group = (cp, group) if kind == "ulysses" else (ulysses_degree, None)  # heads split over n ranks
     if kind == "hybrid":  # cp rank = group index x ulysses_degree + rank in its Ulysses group
         split = cp_mesh._unflatten(0, (cp // ulysses_degree, ulysses_degree), ("cp_allgather", "cp_ulysses"))
         heads_group, keys_group = split["cp_ulysses"].get_group(), split["cp_allgather"].get_group()
-    n = cp if kind == "ulysses" else ulysses_degree
 
     def chunk_runs(ranks, chunk: int) -> tuple[tuple[int, int], ...]:
         """Where the chunks of cp ranks `ranks` lie in the sequence: chunks r and 2·cp-1-r of each."""
@@ -198,7 +198,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
         return q, k, v, mask, chunk_runs(range(first, first + n), chunk)
 
     def back_to_chunks(module, args, out):
-        return ranks_to_heads(rank_order(out, cp, 2) if kind == "ulysses" else out, n, heads_group if kind == "hybrid" else group)
+        return ranks_to_heads(rank_order(out, cp, 2) if kind == "ulysses" else out, n, heads_group)
 
     pre_hook = {"allgather": whole_sequence, "ulysses": head_shards, "hybrid": head_shards_then_keys}[kind]
     for block in model.layers.values():
