@@ -148,17 +148,19 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
     bf16), the normalised fp32 values and its output (8d + e*d) plus 1/rms (4); attention keeps
     rotated q, k and v unrepeated (SDPA's grouped-query path) and its output ((2 * heads + 2 *
-    kv heads) * head_dim * e) and its log-sum-exp (4 per head); SwiGLU keeps w1 and w3 outputs, silu's and the product (4 * ffn * e).
+    kv heads) * head_dim * e) and its log-sum-exp (4 per head); SwiGLU keeps w1 and w3 outputs,
+    silu's and the product (4 * ffn * e).
     selective keeps every matmul and attention output and the block input; full the input only.
     Under TP heads and FFN are split, the norms run on the sequence shard, and the q/k/v and
     w1/w3 inputs are the gathered (full-sequence) norm outputs. Under all-gather cp k and v are
     the whole sequence's: `tokens` x cp keys. Under a mask (the document mask, or all-gather cp)
     the query blocks are checkpointed: attention keeps no log-sum-exp, and only the (joined)
-    output the output projection reads. Under Ulysses CP
-    (`ulysses`) attention keeps q, k and v of the whole sequence for heads / cp heads (k and v
-    repeated up to a multiple of cp), and the output projection keeps its own copy of the output
-    the second all-to-all returns; hybrid (`heads_split` < cp) keeps heads / heads_split heads of
-    the Ulysses group's chunks of q and of the whole sequence's k and v, under a mask. A q/k norm keeps
+    output the output projection reads. With heads split over `heads_split` ranks (Ulysses CP:
+    cp) attention keeps q, k and v of the whole sequence for heads / cp heads (k and v repeated
+    up to a multiple of cp), and the output projection keeps its own copy of the output the
+    second all-to-all returns; hybrid (1 < heads_split < cp) keeps, under a mask, heads /
+    heads_split heads of q over its Ulysses group's chunks and of k and v over the whole
+    sequence. A q/k norm keeps
     its fp32 input and normalised values and 1/rms (8 * head_dim + 4 per head it normalises;
     over the projection, one 1/rms for all of them). Norms after the sub-layers (post_norm)
     keep what norms before them do: their fp32 input and values, and the linear layers keep the
