@@ -41,7 +41,7 @@ class Model:
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
     max_seq_len: int = 0
-    """the longest sequence the model takes (its RoPE table); 0 = the flavor's (e.g. small at 32768 tokens)"""
+    """the longest sequence the model takes (its RoPE table); 0 = the flavor's"""
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
     attention_mask: Literal["document", "causal"] = "document"
@@ -136,19 +136,15 @@ class Parallelism:
     tp: int = 1
     """tensor-parallel degree"""
     ep: int = 1
-    """expert-parallel degree (mixtures of experts): each MoE layer's experts split over ep ranks borrowed from
-    the data-parallel ranks (dp_shard x cp), tokens sent to their experts' ranks and back by all-to-all; FSDP2
-    shards expert parameters over the dp_shard x cp ranks ep leaves, the rest over all of them"""
+    """expert-parallel degree (mixtures of experts): experts split over ep ranks borrowed from dp_shard x cp,
+    tokens sent to them and back by all-to-all; FSDP2 shards experts over the ranks ep leaves, the rest over all"""
     pp: int = 1
     """pipeline-parallel degree (the outermost mesh dimension)"""
     cp: int = 1
-    """context-parallel degree: each sequence split over cp ranks (load-balanced chunks); mesh order pp,
-    dp_replicate, dp_shard, cp, tp"""
+    """context-parallel degree: each sequence split over cp ranks (load-balanced chunks); mesh pp, dp_replicate, dp_shard, cp, tp"""
     cp_kind: Literal["allgather", "ulysses", "hybrid"] = "allgather"
-    """with cp > 1, how attention meets the whole sequence: allgather = every layer all-gathers the sequence's
-    keys and values; ulysses = all-to-alls turn sequence shards into head shards of the whole sequence and back
-    (cp must divide the query heads per tp rank; key/value heads are repeated up to a multiple of cp); hybrid =
-    Ulysses over groups of cp_ulysses neighbouring ranks, then all-gather over the groups (cp > the heads)"""
+    """with cp > 1: keys/values all-gathered per layer; ulysses: heads all-to-all (whole sequences, 1/cp of the
+    heads; cp divides the heads per tp rank); hybrid: ulysses over cp_ulysses neighbouring ranks, all-gather across"""
     cp_ulysses: int = 0
     """with cp_kind hybrid: the Ulysses degree inside cp (a divisor of cp between 1 and cp)"""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
@@ -210,8 +206,7 @@ class Eval:
     limit: int = 0
     """score the first N examples of each task; 0 = all"""
     num_fewshot: int = 0
-    """examples with their answers before each question: the task's first N others (lm-evaluation-harness's
-    first_n sampler over the task's own examples)"""
+    """examples with their answers before each question: the task's first N others (lm-evaluation-harness's first_n sampler over the task's own examples)"""
     target_delimiter: str = " "
     """between a question and its answer (lm-evaluation-harness's default)"""
     fewshot_delimiter: str = "\n\n"
@@ -230,16 +225,14 @@ class Metrics:
     """print a console line every N steps (and the first, the last, and every evaluation), with the mean tokens/s
     and MFU since the line before and an ETA; the run ends with a summary (metrics.jsonl's <name>.summary.json)"""
     plot: str = ""
-    """when the run ends (also by a signal or an error), draw metrics.jsonl's loss, val_loss, lr, grad_norm and
-    tokens/s to this PNG, as `plait plot` does"""
+    """when the run ends (also by a signal or an error), draw metrics.jsonl's loss, val_loss, lr, grad_norm and tokens/s to this PNG, as `plait plot` does"""
     wandb_project: str = ""
     """log to this Weights & Biases project (pip install -e ".[wandb]"): the config, every step's metrics, the
     end-of-run summary; a run resumed from checkpoint.folder continues its W&B run (id kept in that folder)"""
     wandb_run_name: str = ""
     """the W&B run's display name; empty = W&B's own"""
     wandb_offline: bool = False
-    """write the W&B run to a local folder only (upload it later with `wandb sync`); without it, W&B's own
-    setting decides (WANDB_MODE, `wandb offline`)"""
+    """write the W&B run to a local folder only (upload it later with `wandb sync`); without it, W&B's own setting decides (WANDB_MODE, `wandb offline`)"""
 
 
 @dataclass
@@ -253,8 +246,7 @@ class Checkpoint:
     folder: str = ""
     """save training checkpoints here (step-N folders) and resume from the newest complete one"""
     interval: int = 0
-    """save every N steps and at the last step; 0 = at the last step only (a signal that stops the run saves its
-    step either way)"""
+    """save every N steps and at the last step; 0 = at the last step only (a signal that stops the run saves its step either way)"""
     keep_latest_k: int = 0
     """keep only the newest K complete checkpoints; 0 = keep all"""
     async_mode: Literal["disabled", "async"] = "disabled"
@@ -301,8 +293,7 @@ class JobConfig:
     nproc: int = 1
     """local convenience: launch this many processes through torchrun"""
     max_restarts: int = 0
-    """with nproc: bring the job back up to this many times after a process dies (torchrun --max-restarts); it
-    resumes from the newest complete checkpoint"""
+    """with nproc: bring the job back up to this many times after a process dies (torchrun --max-restarts); it resumes from the newest complete checkpoint"""
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
