@@ -28,11 +28,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world: int, args: ModelArgs, cp: int = 0, ep: int = 0, cp_kinds: tuple[str, ...] = CP_KINDS) -> list[Layout]:
+def layouts(world: int, args: ModelArgs, cp: int = 0, ep: int = 0,
+            cp_kinds: tuple[str, ...] = CP_KINDS) -> list[Layout]:
     """Every (pp, dp_replicate, dp_shard, tp, cp) whose product is the world size; `cp`/`ep`
     fixed where given (> 0), and every cp > 1 in each of `cp_kinds` (hybrid with every Ulysses
-    degree strictly between 1 and cp). A mixture of experts also
-    tries every ep that divides dp_shard x cp and its experts."""
+    degree strictly between 1 and cp). A mixture of experts also tries every ep that divides
+    dp_shard x cp and its experts."""
     found = []
     for pp in divisors(world):
         for tp in divisors(world // pp):
@@ -156,7 +157,7 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, cal
     """Rows for every runnable layout x AC mode x micro-batch, best first; and why each other layout cannot run."""
     rows, refused = [], {}
     p = base.parallelism
-    # (a cp_kind asked for is kept; the default, allgather, is searched beside ulysses)
+    # (a cp_kind asked for is kept; the default, allgather, is searched beside ulysses and hybrid)
     kinds = (p.cp_kind,) if p.cp_kind != CP_KINDS[0] else CP_KINDS
     for layout in layouts(world, args, p.cp if p.cp > 1 else 0, p.ep if p.ep > 1 else 0, kinds):
         for micro_batch in micro_batches(base, layout):

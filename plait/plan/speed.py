@@ -172,8 +172,8 @@ def call_counts(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, passe
     size: FSDP gathers each unit forward and backward and reduce-scatters it; TP gathers and
     scatters each block's two inputs and outputs, forward and backward; CP gathers K and V
     forward and again when recomputing, then reduce-scatters (Ulysses: q, k, v and the output
-    all-to-all, forward and backward; hybrid both); a stage sends and receives each micro-batch both ways;
-    EP sends out and back, forward and backward."""
+    all-to-all, forward and backward; hybrid both); a stage sends and receives each micro-batch
+    both ways; EP sends out and back, forward and backward."""
     blocks = len(range(args.n_layers)) if stages is None else sum(len(stage_blocks(args, cfg, s)) for s in stages)
     units_ = blocks + 1
     cp_calls = 8 * (ulysses_degree(cfg) > 1) + 3 * (cfg.parallelism.cp_kind != "ulysses")
