@@ -1,4 +1,5 @@
-"""Command lines parsed by tyro, with its multi-line error boxes turned into the one line the
+"""Command lines and TOML files into a JobConfig: a TOML file becomes flags, tyro parses them
+with the command line's (which win), and tyro's multi-line error boxes become the one line the
 README promises: `plait: error: OPTION: what is wrong`, exit code 2."""
 
 from __future__ import annotations
@@ -9,14 +10,60 @@ import difflib
 import io
 import os
 import re
+import tomllib
 import typing
+from pathlib import Path
 
 import tyro
 
-from plait.config import ConfigError, JobConfig, resolve_config_path, toml_to_args
+from plait.config import ConfigError, JobConfig
 
+CONFIG_DIR = Path(__file__).parent / "configs"
 RULE = set("─-+╭╮╰╯ ")  # a box's borders and rules, drawn in Unicode on a terminal, in ASCII elsewhere
 
+
+def sections(cls=JobConfig) -> dict[str, type]:
+    """The TOML sections of a config: {name: its dataclass}."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config: file {name_or_path!r} not found")
+        return path
+    named = CONFIG_DIR / f"{name_or_path}.toml"
+    if not named.is_file():
+        allowed = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise ConfigError(f"config: {name_or_path!r} is neither a TOML file nor a named config {allowed}")
+    return named
+
+
+def toml_to_args(path: Path) -> list[str]:
+    """Turn a TOML file into `--section.key value` flags so one parser validates both sources."""
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
+    job_sections = sections()
+    args: list[str] = []
+    for section, values in table.items():
+        if section not in job_sections or not isinstance(values, dict):
+            raise ConfigError(f"config {path}: unknown section [{section}]; allowed: {sorted(job_sections)}")
+        keys = {f.name: f for f in dataclasses.fields(job_sections[section])}
+        for key, value in values.items():
+            if key not in keys:
+                raise ConfigError(f"config {path}: unknown option {section}.{key}; allowed: {sorted(keys)}")
+            flag = f"--{section}.{key}"
+            if isinstance(value, bool):
+                args.append(flag if value else f"--{section}.no_{key}")
+            elif isinstance(value, list):
+                args += [flag, *map(str, value)]
+            else:
+                args += [flag, str(value)]
+    return args
 
 def flags(cls, prefix: str = "") -> list[str]:
     """Every `--section.key` a dataclass (and the dataclasses nested in it) accepts."""

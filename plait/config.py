@@ -1,5 +1,6 @@
-"""Every option of a plait job: typed defaults, TOML files, command line, and the quantities
-derived from them (world size, dp degree, accumulation steps, a data mixture's sources).
+"""Every option of a plait job: typed defaults (read from TOML files and the
+command line by `plait.arguments`) and the quantities derived from them (world size, dp degree,
+accumulation steps, a data mixture's sources).
 
 One dataclass per TOML section. The same names work as `--section.key VALUE` on the command
 line and as `[section] key = value` in a TOML file; the command line wins. `plait.checks` checks
@@ -8,11 +9,8 @@ the options against each other before any process group exists.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -22,7 +20,6 @@ Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llam
                  "debug_olmo2", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b", "debug_moe",
                  "debug_moe_sigmoid", "small_moe", "small_moe_dense", "qwen3_30b_a3b", "qwen3_235b_a22b"]
 ModelFlavor = Literal["auto", Flavor]
-CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -41,7 +38,7 @@ class Model:
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
     max_seq_len: int = 0
-    """the longest sequence the model takes (its RoPE table); 0 = the flavor's"""
+    """the longest sequence the model takes (its RoPE table); 0 = the flavor's (e.g. small at 32768 tokens)"""
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
     attention_mask: Literal["document", "causal"] = "document"
@@ -136,15 +133,19 @@ class Parallelism:
     tp: int = 1
     """tensor-parallel degree"""
     ep: int = 1
-    """expert-parallel degree (mixtures of experts): experts split over ep ranks borrowed from dp_shard x cp,
-    tokens sent to them and back by all-to-all; FSDP2 shards experts over the ranks ep leaves, the rest over all"""
+    """expert-parallel degree (mixtures of experts): each MoE layer's experts split over ep ranks borrowed from
+    the data-parallel ranks (dp_shard x cp), tokens sent to their experts' ranks and back by all-to-all; FSDP2
+    shards expert parameters over the dp_shard x cp ranks ep leaves, the rest over all of them"""
     pp: int = 1
     """pipeline-parallel degree (the outermost mesh dimension)"""
     cp: int = 1
-    """context-parallel degree: each sequence split over cp ranks (load-balanced chunks); mesh pp, dp_replicate, dp_shard, cp, tp"""
+    """context-parallel degree: each sequence split over cp ranks (load-balanced chunks); mesh order pp,
+    dp_replicate, dp_shard, cp, tp"""
     cp_kind: Literal["allgather", "ulysses", "hybrid"] = "allgather"
-    """with cp > 1: keys/values all-gathered per layer; ulysses: heads all-to-all (whole sequences, 1/cp of the
-    heads; cp divides the heads per tp rank); hybrid: ulysses over cp_ulysses neighbouring ranks, all-gather across"""
+    """with cp > 1, how attention meets the whole sequence: allgather = every layer all-gathers the sequence's
+    keys and values; ulysses = all-to-alls turn sequence shards into head shards of the whole sequence and back
+    (cp must divide the query heads per tp rank; key/value heads are repeated up to a multiple of cp); hybrid =
+    Ulysses over groups of cp_ulysses neighbouring ranks, then all-gather over the groups (cp > the heads)"""
     cp_ulysses: int = 0
     """with cp_kind hybrid: the Ulysses degree inside cp (a divisor of cp between 1 and cp)"""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
@@ -206,7 +207,8 @@ class Eval:
     limit: int = 0
     """score the first N examples of each task; 0 = all"""
     num_fewshot: int = 0
-    """examples with their answers before each question: the task's first N others (lm-evaluation-harness's first_n sampler over the task's own examples)"""
+    """examples with their answers before each question: the task's first N others (lm-evaluation-harness's
+    first_n sampler over the task's own examples)"""
     target_delimiter: str = " "
     """between a question and its answer (lm-evaluation-harness's default)"""
     fewshot_delimiter: str = "\n\n"
@@ -225,14 +227,16 @@ class Metrics:
     """print a console line every N steps (and the first, the last, and every evaluation), with the mean tokens/s
     and MFU since the line before and an ETA; the run ends with a summary (metrics.jsonl's <name>.summary.json)"""
     plot: str = ""
-    """when the run ends (also by a signal or an error), draw metrics.jsonl's loss, val_loss, lr, grad_norm and tokens/s to this PNG, as `plait plot` does"""
+    """when the run ends (also by a signal or an error), draw metrics.jsonl's loss, val_loss, lr, grad_norm and
+    tokens/s to this PNG, as `plait plot` does"""
     wandb_project: str = ""
     """log to this Weights & Biases project (pip install -e ".[wandb]"): the config, every step's metrics, the
     end-of-run summary; a run resumed from checkpoint.folder continues its W&B run (id kept in that folder)"""
     wandb_run_name: str = ""
     """the W&B run's display name; empty = W&B's own"""
     wandb_offline: bool = False
-    """write the W&B run to a local folder only (upload it later with `wandb sync`); without it, W&B's own setting decides (WANDB_MODE, `wandb offline`)"""
+    """write the W&B run to a local folder only (upload it later with `wandb sync`); without it, W&B's own
+    setting decides (WANDB_MODE, `wandb offline`)"""
 
 
 @dataclass
@@ -246,7 +250,8 @@ class Checkpoint:
     folder: str = ""
     """save training checkpoints here (step-N folders) and resume from the newest complete one"""
     interval: int = 0
-    """save every N steps and at the last step; 0 = at the last step only (a signal that stops the run saves its step either way)"""
+    """save every N steps and at the last step; 0 = at the last step only (a signal that stops the run saves its
+    step either way)"""
     keep_latest_k: int = 0
     """keep only the newest K complete checkpoints; 0 = keep all"""
     async_mode: Literal["disabled", "async"] = "disabled"
@@ -293,7 +298,8 @@ class JobConfig:
     nproc: int = 1
     """local convenience: launch this many processes through torchrun"""
     max_restarts: int = 0
-    """with nproc: bring the job back up to this many times after a process dies (torchrun --max-restarts); it resumes from the newest complete checkpoint"""
+    """with nproc: bring the job back up to this many times after a process dies (torchrun --max-restarts); it
+    resumes from the newest complete checkpoint"""
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
@@ -307,49 +313,6 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
     profiling: Profiling = field(default_factory=Profiling)
-
-
-def _sections(cls=JobConfig) -> dict[str, type]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
-
-
-def resolve_config_path(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if path.suffix == ".toml" or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"config: file {name_or_path!r} not found")
-        return path
-    named = CONFIG_DIR / f"{name_or_path}.toml"
-    if not named.is_file():
-        allowed = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
-        raise ConfigError(f"config: {name_or_path!r} is neither a TOML file nor a named config {allowed}")
-    return named
-
-
-def toml_to_args(path: Path) -> list[str]:
-    """Turn a TOML file into `--section.key value` flags so one parser validates both sources."""
-    try:
-        table = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
-    sections = _sections()
-    args: list[str] = []
-    for section, values in table.items():
-        if section not in sections or not isinstance(values, dict):
-            raise ConfigError(f"config {path}: unknown section [{section}]; allowed: {sorted(sections)}")
-        keys = {f.name: f for f in dataclasses.fields(sections[section])}
-        for key, value in values.items():
-            if key not in keys:
-                raise ConfigError(f"config {path}: unknown option {section}.{key}; allowed: {sorted(keys)}")
-            flag = f"--{section}.{key}"
-            if isinstance(value, bool):
-                args.append(flag if value else f"--{section}.no_{key}")
-            elif isinstance(value, list):
-                args += [flag, *map(str, value)]
-            else:
-                args += [flag, str(value)]
-    return args
 
 
 def world_size() -> int:

@@ -27,7 +27,8 @@ import tyro
 from plait.arguments import parse
 from plait.arguments import parse_args
 from plait.checks import check_options
-from plait.config import ConfigError, JobConfig, _sections
+from plait.arguments import sections
+from plait.config import ConfigError, JobConfig
 
 METRICS = ("loss", "val_loss", "grad_norm")  # compared between runs, when both have them
 FLOOR = 1e-12  # where the log-scale plot shows a zero difference, so bitwise-equal runs stay visible
@@ -79,7 +80,7 @@ class RunFailed(RuntimeError):
 
 def option_types() -> dict[str, type]:
     """`section.key` -> type, for every train option."""
-    return {f"{name}.{key}": hint for name, cls in _sections().items()
+    return {f"{name}.{key}": hint for name, cls in sections().items()
             for key, hint in typing.get_type_hints(cls).items()}
 
 
