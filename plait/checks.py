@@ -52,6 +52,11 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
     if cfg.model.max_seq_len < 0:
         raise ConfigError(f"model.max_seq_len: must be >= 0 (0 = the flavor's), got {cfg.model.max_seq_len}")
+    if cfg.model.sliding_window < 0:
+        raise ConfigError(f"model.sliding_window: must be >= 0 (0 = the flavor's), got {cfg.model.sliding_window}")
+    if cfg.model.full_layers and not cfg.model.sliding_window:
+        raise ConfigError("model.full_layers: names the blocks a model.sliding_window leaves out; set "
+                          "model.sliding_window too")
     if cfg.model.n_layers < 0:
         raise ConfigError(f"model.n_layers: must be >= 0 (0 = the flavor's), got {cfg.model.n_layers}")
     if cfg.activation_checkpoint.every < 1:

@@ -17,8 +17,8 @@ from typing import Literal
 
 
 Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b", "debug_qwen3", "debug_qwen2",
-                 "debug_olmo2", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b", "debug_moe",
-                 "debug_moe_sigmoid", "small_moe", "small_moe_dense", "qwen3_30b_a3b", "qwen3_235b_a22b"]
+                 "debug_olmo2", "debug_sliding", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b",
+                 "debug_moe", "debug_moe_sigmoid", "small_moe", "small_moe_dense", "qwen3_30b_a3b", "qwen3_235b_a22b"]
 ModelFlavor = Literal["auto", Flavor]
 
 
@@ -31,7 +31,7 @@ class Model:
     flavor: ModelFlavor = "auto"
     """model size: debug (tiny), small (~90M, CPU benchmarks), a real Llama 3 shape, a relative's small
     size (qwen3_0_6b, qwen2_5_0_5b, mistral_7b, olmo2_1b, smollm3_3b) or debug's shape with a relative's
-    switches (debug_qwen3, debug_qwen2, debug_olmo2); mixtures of experts: debug_moe (Qwen3-MoE's switches),
+    switches (debug_qwen3, debug_qwen2, debug_olmo2, debug_sliding: a sliding block); mixtures of experts: debug_moe (Qwen3-MoE's switches),
     debug_moe_sigmoid (DeepSeek-V3's router), small_moe (and small_moe_dense, its dense twin of equal active
     parameters), qwen3_30b_a3b, qwen3_235b_a22b; auto: the config.json of a Hugging Face folder given
     as --checkpoint.load, else debug"""
@@ -39,6 +39,12 @@ class Model:
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
     max_seq_len: int = 0
     """the longest sequence the model takes (its RoPE table); 0 = the flavor's (e.g. small at 32768 tokens)"""
+    sliding_window: int = 0
+    """each query sees itself and the N - 1 keys before it, in every block but model.full_layers; 0 = the
+    flavor's (none for most) or the Hugging Face folder's"""
+    full_layers: tuple[int, ...] = ()
+    """with model.sliding_window: the blocks that attend over the whole sequence (e.g. 1 3 5: local and global
+    blocks alternating)"""
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
     attention_mask: Literal["document", "causal"] = "document"

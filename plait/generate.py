@@ -120,7 +120,6 @@ def main(argv: list[str]) -> int:
     # An empty prompt (with a tokenizer that adds no start token) samples the model unconditionally:
     # from the end-of-text token, after which every document of training began.
     prompt = tokenizer.encode(opts.prompt).ids or [eos]
-    hf.check_window(model.args, len(prompt) + opts.max_new_tokens, "max_new_tokens", Path(opts.checkpoint))
     if len(prompt) + opts.max_new_tokens > model.args.max_seq_len:
         raise ConfigError(f"max_new_tokens: the prompt's {len(prompt)} tokens + {opts.max_new_tokens} exceed the "
                           f"model's {model.args.max_seq_len} positions")

@@ -179,6 +179,7 @@ ROWWISE = ["--training.float8", "rowwise"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
+SLIDING = ["--model.flavor", "debug_sliding"]
 EP2 = ["--parallelism.ep", "2"]
 MUON = ["--optimizer.name", "muon"]
 
@@ -274,6 +275,13 @@ LAYOUTS = {
     "pp_qwen2": (2, [*QWEN2, *PP2]),
     "single_olmo2": (1, [*OLMO2, "--training.micro_batch_size", "2"]),
     "tp_olmo2": (2, [*OLMO2, *degrees(1, 1, tp=2)]),
+    # A sliding block (window 8: half a cp2 chunk) on a global one, Qwen3-shaped (debug_sliding)
+    "single_sliding": (1, [*SLIDING, "--training.micro_batch_size", "2"]),
+    "fsdp2_sliding": (2, [*SLIDING, *degrees(1, 2)]),
+    "tp_sliding": (2, [*SLIDING, *degrees(1, 1, tp=2)]),
+    "pp_sliding": (2, [*SLIDING, *PP2]),
+    "cp_sliding": (2, [*SLIDING, *CP2, "--training.micro_batch_size", "2"]),
+    "cp_ulysses_sliding": (2, [*SLIDING, *CP2, *ULYSSES, "--training.micro_batch_size", "2"]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
     # load-balancing loss is taken over each forward's tokens, so a row's reference forwards the
     # same sequences together: 2 per forward (single_moe) or 1 (single_moe_mb1, the world-4 rows

@@ -227,7 +227,7 @@ def test_kill_during_async_save_resumes_from_last_complete(tmp_path):
     # Debris of a save that never completed, newer than anything complete: must be ignored.
     (folder / "step-150").mkdir()
     (folder / "step-150" / "__0_0.distcp").write_bytes(b"partial")
-    rows, proc = run_plait(tmp_path, *args[:1], "202", *args[2:], nproc=2)
+    rows, proc = run_plait(tmp_path, *args[:1], str(complete[-1] + 2), *args[2:], nproc=2)  # two steps more
     assert f"resumed from {folder / f'step-{complete[-1]}'}" in proc.stdout
     assert rows[0]["step"] == complete[-1] + 1
 

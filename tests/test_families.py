@@ -1,7 +1,8 @@
 """Llama's relatives in and out: Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k norm, tied),
 Mistral, OLMo 2 (norms after each sub-layer, q/k norm over the projection, attention biases),
 SmolLM3 (a block without RoPE), Qwen3-MoE (experts, and a dense block among them) and Mixtral,
-each a tiny random model made by transformers itself.
+each a tiny random model made by transformers itself; Qwen2, Qwen3, Mistral and SmolLM3 with
+sliding windows shorter than the sequences (in some blocks or all).
 
 plait builds each from its config.json alone: its logits equal transformers', greedy
 `plait generate --ids` gives transformers' greedy tokens, import then export is bitwise with
@@ -26,11 +27,17 @@ VOCAB = 320
 BASE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=0, bos_token_id=None, pad_token_id=None)
 CONFIGS = {  # model_type -> its config class and fields (the families' defaults, sized down)
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
-    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),  # head_dim is not hidden/heads
-    "mistral": ("MistralConfig", dict(sliding_window=4096)),  # Mistral 7B v0.1's window: longer than any test sequence
+    # Windows of 8 keys, shorter than the sequences and the generations: blocks 2 and 3 slide (max_window_layers)
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=True,
+                                  sliding_window=8, max_window_layers=2)),
+    # head_dim is not hidden/heads; local and global blocks alternate (layer_types)
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"] * 2)),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),  # every block slides
     "olmo2": ("Olmo2Config", dict(attention_bias=True)),
-    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=4, tie_word_embeddings=True)),  # block 3 has no RoPE
+    # block 3 has no RoPE, and slides
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=4, tie_word_embeddings=True, use_sliding_window=True,
+                                      sliding_window=8)),
     # 4 experts, each token to 2; block 1 dense (mlp_only_layers)
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          mlp_only_layers=[1], norm_topk_prob=True)),

@@ -203,15 +203,9 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
                            "sets final_logit_softcapping (logit soft-capping), which plait does not compute; allowed: "
                            "unset, null or false"),
                           ({"model_type": "qwen2", "num_experts": 8}, "sets num_experts (mixture of experts)"),
-                          ({"model_type": "qwen2", "use_sliding_window": True}, "sets use_sliding_window"),
                           ({"hidden_act": "gelu"}, "sets hidden_act 'gelu'; allowed: 'silu'")]:
         with pytest.raises(ConfigError, match="config.json " + re.escape(named)):
             hf.model_args(variant("_".join(map(str, fields.values())), **fields), "checkpoint.load")
-    # Mistral's sliding window: the same model while sequences fit in it, refused beyond.
-    window = variant("window", model_type="mistral", sliding_window=32)
-    assert one_line(*train, str(window), "--data.vocab_size", "300") == (
-        f"plait: error: training.seq_len: 64 tokens, but {window} attends within a sliding_window of 32, which plait "
-        "does not compute; allowed: at most 32")
     missing = variant("missing", sharded=True)
     shard = sorted(missing.glob("model-*.safetensors"))[-1]
     shard.unlink()

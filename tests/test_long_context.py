@@ -17,9 +17,9 @@ from plait.models.weights import init_weights
 EOS = 3
 
 
-def debug_model() -> Transformer:
+def debug_model(flavor: str = "debug") -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(dataclasses.replace(FLAVORS["debug"], vocab_size=512))
+    model = Transformer(dataclasses.replace(FLAVORS[flavor], vocab_size=512))
     init_weights(model, seed=0)
     return model
 
@@ -40,12 +40,14 @@ def test_document_ids_and_positions_restart_after_each_end_of_text():
     assert mask[5].tolist() == [False, False, True, True, True, True, False, False]  # its document, up to itself
 
 
-def test_a_packed_sequence_computes_what_each_document_computes_alone():
+@pytest.mark.parametrize("flavor", ["debug", "debug_sliding"])
+def test_a_packed_sequence_computes_what_each_document_computes_alone(flavor):
     """Per-token losses of a packed window under the document mask equal those of each document
     run alone from position 0 (the end-of-text that opens it included): fp32, within 1e-6 (the
-    same arithmetic on a different number of rows: matmul blocking may differ in the last bit)."""
-    model = debug_model()
-    tokens = packed([9, 20, 14, 7], torch.Generator().manual_seed(1))
+    same arithmetic on a different number of rows: matmul blocking may differ in the last bit).
+    With a sliding block (a window of 8 keys: documents longer and shorter than it) too."""
+    model = debug_model(flavor)
+    tokens = packed([9, 20, 14, 7, 41], torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     layout = BatchLayout("document", "sdpa", EOS, 0, 1)
     inputs, labels, attention = layout(inputs, labels)
@@ -70,16 +72,19 @@ def test_the_causal_mask_as_a_tensor_equals_the_causal_path_bitwise():
         assert torch.equal(rows, model(inputs))
 
 
-def test_flex_attention_forward_equals_sdpa_under_the_document_mask():
+@pytest.mark.parametrize("flavor", ["debug", "debug_sliding"])
+def test_flex_attention_forward_equals_sdpa_under_the_document_mask(flavor):
     """Where both run (forward on CPU; CPU has no FlexAttention backward), the same numbers:
-    fp32, measured 3.6e-7, bound 2e-6 (FlexAttention reduces blocks in another order)."""
-    model = debug_model()
+    fp32, measured 3.6e-7, bound 2e-6 (FlexAttention reduces blocks in another order). A model
+    with a sliding block gets a BlockMask per window (BatchLayout's)."""
+    model = debug_model(flavor)
     tokens = packed([30, 50, 47], torch.Generator().manual_seed(3))[:, :128]
-    documents = document_ids(tokens, EOS)
-    positions = positions_in_documents(documents)
+    windows = tuple(sorted({model.args.window(block) for block in range(model.args.n_layers)}))
+    _, _, sdpa_kwargs = BatchLayout("document", "sdpa", EOS, 0, 1, windows=windows)(tokens, tokens)
+    _, _, flex_kwargs = BatchLayout("document", "flex", EOS, 0, 1, windows=windows)(tokens, tokens)
+    assert isinstance(flex_kwargs["mask"], dict) == (flavor == "debug_sliding")
     with torch.no_grad():
-        sdpa = model(tokens, positions=positions, mask=documents)
-        flex = model(tokens, positions=positions, mask=block_mask(documents, torch.arange(128)))
+        sdpa, flex = model(tokens, **sdpa_kwargs), model(tokens, **flex_kwargs)
     assert (sdpa - flex).abs().max() <= 2e-6
 
 
@@ -119,23 +124,24 @@ def test_a_blocks_mask_is_built_from_document_ids_in_the_compute_dtype():
                                                            [0, 0, 0, -float("inf")], [0, 0, 0, 0]]
 
 
-def test_masked_attention_in_query_blocks_equals_one_masked_sdpa_call():
-    """Blocks of 512 queries over the keys up to their last query compute what one SDPA call
-    under the whole mask computes (measured bitwise in the forward; fp32 bounds 1e-6 forward and
-    1e-5 for gradients, which autograd sums over the blocks in another order), at a length that
-    leaves a partial block. No tensor of queries x keys is kept for backward: each block's mask
-    is built again there."""
+@pytest.mark.parametrize("window", [0, 100, 700])
+def test_masked_attention_in_query_blocks_equals_one_masked_sdpa_call(window):
+    """Blocks of 512 queries over the keys up to their last query (under a window, from their
+    first query's window on) compute what one SDPA call under the whole mask computes (measured
+    bitwise in the forward; fp32 bounds 1e-6 forward and 1e-5 for gradients, which autograd sums
+    over the blocks in another order), at a length that leaves a partial block. No tensor of
+    queries x keys is kept for backward: each block's mask is built again there."""
     from plait.models.attention import masked_attention
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 4, 1100, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(1, 2, 1100, 16, generator=g, requires_grad=True) for _ in range(2))
     documents = document_ids(torch.randint(0, 40, (1, 1100), generator=g), EOS)
-    mask = additive(allowed(documents, torch.arange(1100)), torch.float32)
+    mask = additive(allowed(documents, torch.arange(1100), window=window), torch.float32)
     whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        blocks = masked_attention(q, k, v, documents, ((0, 1100),))
+        blocks = masked_attention(q, k, v, documents, ((0, 1100),), window)
     assert saved and not [s for s in saved if len(s) == 4 and s[1] == 1 and s[-2] >= 512 and s[-1] >= 512]
     assert (whole - blocks).abs().max() <= 1e-6
     grads = [torch.autograd.grad(out.square().sum(), (q, k, v)) for out in (whole, blocks)]

@@ -49,12 +49,22 @@ POST_NORM = 1e-5
 # TP2 in bf16 measured 1.4e-3 (Qwen3 shape) and 1.9e-3 (Llama's tied debug model, not a row);
 # bound 2.6x the worst.
 TIED_BF16 = 5e-3
+# Sliding windows (debug_sliding: Qwen3-shaped, a window of 8 on its second block) change which
+# keys a query meets, not how any sum is split: FSDP2 and the pipeline are bitwise, all-gather CP
+# (each query block's keys from its window on; only the chunks' tails gathered) measured 4.8e-7
+# (1 ulp of a loss in [4, 8)), Ulysses 9.5e-7 (2 ulps: bound 4). TP2 reorders the Qwen3 shape's
+# sums (attention 256 wide over a width of 128: wo's row-wise split halves sums twice as long as
+# the Llama debug model's), measured 1.4e-6 (3 ulps): bound 8.
+SLIDING_ULYSSES, SLIDING_TP = 2e-6, 4e-6
 FAMILIES = {("fsdp2_qwen3_tied", "fp32"): BITWISE, ("fsdp2_qwen3_tied", "bf16"): BITWISE,
             ("tp_qwen3_tied", "fp32"): TIED_REORDERED, ("tp_qwen3_tied", "bf16"): TIED_BF16,
             ("fsdp2_qwen2", "fp32"): BITWISE, ("fsdp2_qwen2", "bf16"): BITWISE,
             ("tp_qwen2", "fp32"): FP32_REORDERED, ("tp_qwen2", "bf16"): BF16_REORDERED,
             ("pp_qwen2", "fp32"): BITWISE, ("pp_qwen2", "bf16"): BITWISE,
-            ("tp_olmo2", "fp32"): POST_NORM}
+            ("tp_olmo2", "fp32"): POST_NORM,
+            ("fsdp2_sliding", "fp32"): BITWISE, ("fsdp2_sliding", "bf16"): BITWISE, ("pp_sliding", "fp32"): BITWISE,
+            ("tp_sliding", "fp32"): SLIDING_TP, ("tp_sliding", "bf16"): BF16_REORDERED,
+            ("cp_sliding", "fp32"): FP32_REORDERED, ("cp_ulysses_sliding", "fp32"): SLIDING_ULYSSES}
 FAMILY_ROWS = {name for name, _ in FAMILIES}
 # Mixtures of experts (conftest: debug_moe's rows), against the single device forwarding the same
 # sequences together (their load-balancing loss is per forward). Routing is the same in every

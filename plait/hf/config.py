@@ -59,7 +59,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
 UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "attention soft-capping",
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
-               "n_routed_experts": "mixture of experts", "use_sliding_window": "sliding-window attention",
+               "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter"}
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
@@ -84,17 +84,42 @@ def family_switches(config: dict, family: str) -> dict:
                                            if i in dense or (i + 1) % step)}
     if family == "olmo2":
         switches |= {"qk_norm": "projection", "post_norm": True}
-    if family == "smollm3":  # 1 = this block uses RoPE; without the list, every interval-th block has none
-        interval, rope = setting(config, family, "no_rope_layer_interval"), setting(config, family, "no_rope_layers")
-        if rope is None:
-            rope = [(i + 1) % interval != 0 for i in range(config["num_hidden_layers"])]
-        switches["nope_layers"] = tuple(i for i, uses_rope in enumerate(rope) if not uses_rope)
+    if family == "smollm3":
+        switches["nope_layers"] = nope_layers(config, family)
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
         switches |= {"n_experts": config["num_local_experts"],
                      "top_k": setting(config, family, "num_experts_per_tok"), "moe_hidden": config["intermediate_size"]}
-    if family in ("mistral", "mixtral") and setting(config, family, "sliding_window"):
-        switches["sliding_window"] = int(setting(config, family, "sliding_window"))
-    return switches
+    return switches | window_switches(config, family)
+
+
+def nope_layers(config: dict, family: str) -> tuple[int, ...]:
+    """SmolLM3's blocks without RoPE: no_rope_layers (1 = this block uses RoPE), else every
+    no_rope_layer_interval-th block."""
+    interval, rope = setting(config, family, "no_rope_layer_interval"), setting(config, family, "no_rope_layers")
+    if rope is None:
+        rope = [(i + 1) % interval != 0 for i in range(config["num_hidden_layers"])]
+    return tuple(i for i, uses_rope in enumerate(rope) if not uses_rope)
+
+
+def window_switches(config: dict, family: str) -> dict:
+    """sliding_window and full_layers as transformers reads them: Mistral and Mixtral slide in
+    every block whenever sliding_window is set; Qwen and SmolLM3 only with use_sliding_window,
+    in the blocks layer_types names (Qwen's default: from max_window_layers on; SmolLM3's: the
+    blocks without RoPE); Qwen3-MoE in every block."""
+    window = setting(config, family, "sliding_window")
+    if family not in ("mistral", "mixtral") and not setting(config, family, "use_sliding_window"):
+        window = None
+    if not window:
+        return {}
+    layers = range(config["num_hidden_layers"])
+    types = setting(config, family, "layer_types")
+    if types is None and family in ("qwen2", "qwen3"):
+        types = ["full_attention" if i < setting(config, family, "max_window_layers") else "sliding_attention"
+                 for i in layers]
+    if types is None and family == "smollm3":
+        types = ["sliding_attention" if i in nope_layers(config, family) else "full_attention" for i in layers]
+    full = tuple(i for i in layers if types is not None and types[i] != "sliding_attention")
+    return {"sliding_window": int(window), "full_layers": full}
 
 
 def model_args(folder: Path, option: str) -> ModelArgs:
@@ -149,8 +174,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed |= {"attention_bias": args.qkv_bias, "mlp_bias": args.ffn_bias}
     if args.family == "smollm3":
         computed["no_rope_layers"] = [int(i not in args.nope_layers) for i in range(args.n_layers)]
-    if args.family in ("mistral", "mixtral"):
-        computed["sliding_window"] = args.sliding_window or None
+    computed |= window_fields(args)
     if args.family == "mixtral":
         if args.dense_layers or args.qk_norm != "none" or not args.normalize_top_k:
             raise ConfigError("checkpoint: a mixtral config.json has every block sparse, no q/k norm and its top k "
@@ -169,6 +193,28 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     return {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, **kept, **computed}
 
 
+def window_fields(args: ModelArgs) -> dict:
+    """config.json's sliding-window fields for `args` (see `window_switches`)."""
+    types = ["full_attention" if args.window(i) == 0 else "sliding_attention" for i in range(args.n_layers)]
+    if args.family in ("mistral", "mixtral", "qwen3_moe"):
+        if args.sliding_window and args.full_layers:
+            raise ConfigError(f"checkpoint: a {args.family} config.json slides in every block or none; this model has "
+                              f"full-attention blocks {list(args.full_layers)} among sliding ones (export it as qwen3)")
+        fields = {"sliding_window": args.sliding_window or None}
+        return fields | ({"use_sliding_window": bool(args.sliding_window)} if args.family == "qwen3_moe" else {})
+    if args.family in ("qwen2", "qwen3", "smollm3"):
+        fields = {"use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None,
+                  "layer_types": types}
+        # Full blocks first, then sliding ones ("full_attention" sorts first): what max_window_layers says.
+        if args.family != "smollm3" and args.sliding_window and types == sorted(types):
+            fields["max_window_layers"] = types.index("sliding_attention")
+        return fields
+    if args.sliding_window:
+        raise ConfigError(f"checkpoint: a {args.family} config.json has no sliding window; this model attends within "
+                          f"{args.sliding_window} keys")
+    return {}
+
+
 # How a shape was written down (FFN rounding) and how many positions it is used for change
 # nothing the model computes: two ModelArgs differing only there are one model.
 NOTATION = ("multiple_of", "ffn_dim_multiplier", "max_seq_len")
@@ -180,13 +226,6 @@ def describe_difference(theirs: ModelArgs, ours: ModelArgs) -> str:
     return ", ".join(f"{k} {a[k]} vs {b[k]}" for k in b if a[k] != b[k] and k not in NOTATION)
 
 
-def check_window(args: ModelArgs, length: int, option: str, folder: Path) -> None:
-    """Refuse sequences longer than a sliding window: plait attends over the whole sequence."""
-    if args.sliding_window and length > args.sliding_window:
-        raise ConfigError(f"{option}: {length} tokens, but {folder} attends within a sliding_window of "
-                          f"{args.sliding_window}, which plait does not compute; allowed: at most {args.sliding_window}")
-
-
 def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     """The run's model: the config.json of a Hugging Face folder given as checkpoint.load (a
     model.flavor or model.n_layers given as well must agree with it), else model.flavor's shape."""
@@ -196,8 +235,14 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     folder = hf_folder(cfg)
     if folder is None:
         args = flavor_args(cfg.model.flavor.replace("auto", "debug"), tokenizer_vocab, cfg.model.n_layers)
-        return replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings,
+        args = replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings,
                        max_seq_len=cfg.model.max_seq_len or args.max_seq_len)
+        if cfg.model.sliding_window:
+            if not set(cfg.model.full_layers) <= set(range(args.n_layers)):
+                raise ConfigError(f"model.full_layers: {list(cfg.model.full_layers)}, but the model has blocks 0 to "
+                                  f"{args.n_layers - 1}")
+            args = replace(args, sliding_window=cfg.model.sliding_window, full_layers=tuple(cfg.model.full_layers))
+        return args
     args = model_args(folder, "checkpoint.load")
     if cfg.model.tie_embeddings and not args.tie_embeddings:
         raise ConfigError(f"model.tie_embeddings: {folder} has an output layer of its own (tie_word_embeddings false)")
@@ -211,10 +256,13 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     if cfg.model.max_seq_len not in (0, args.max_seq_len):
         raise ConfigError(f"model.max_seq_len: {cfg.model.max_seq_len}, but {folder} takes {args.max_seq_len} "
                           f"positions (max_position_embeddings); allowed: 0 or {args.max_seq_len}")
+    if cfg.model.sliding_window and (cfg.model.sliding_window, tuple(cfg.model.full_layers)) != \
+            (args.sliding_window, args.full_layers):
+        raise ConfigError(f"model.sliding_window: {folder}'s config.json sets the windows (sliding_window "
+                          f"{args.sliding_window}, full blocks {list(args.full_layers)}); allowed: 0, or the same")
     if cfg.model.n_layers not in (0, args.n_layers):
         raise ConfigError(f"model.n_layers: {cfg.model.n_layers}, but {folder} has {args.n_layers} blocks; allowed: "
                           f"0 or {args.n_layers}")
-    check_window(args, cfg.training.seq_len, "training.seq_len", folder)
     if tokenizer_vocab > args.vocab_size:
         raise ConfigError(f"data.tokenizer: has {tokenizer_vocab} tokens, more than the {args.vocab_size} embeddings "
                           f"of {folder}: token ids past {args.vocab_size - 1} would have no embedding; use the "

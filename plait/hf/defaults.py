@@ -9,30 +9,34 @@ entry against transformers' classes, so the table cannot drift from them.
 # class has, with the class's default; a field it lacks is one that family does not have (None:
 # off). A default of None is derived as transformers derives it: num_key_value_heads =
 # num_attention_heads, head_dim = hidden_size // num_attention_heads, mlp_only_layers = [],
-# no_rope_layers = every no_rope_layer_interval-th block without RoPE. Sizes that no rule derives
-# (hidden_size, intermediate_size, layers, heads, vocabulary, experts) are not here: their default
-# is one published checkpoint's, so a config.json without them is refused by name.
+# no_rope_layers = every no_rope_layer_interval-th block without RoPE, layer_types = sliding from
+# max_window_layers on (Qwen) or in the blocks without RoPE (SmolLM3), with use_sliding_window.
+# Sizes that no rule derives (hidden_size, intermediate_size, layers, heads, vocabulary, experts)
+# are not here: their default is one published checkpoint's, so a config.json without them is
+# refused by name.
 READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
         "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
+        "max_window_layers", "layer_types",
         "no_rope_layers", "no_rope_layer_interval", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
         "norm_topk_prob", "router_jitter_noise", "final_logit_softcapping", "attn_logit_softcapping")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
-# (Qwen's sliding_window only counts with use_sliding_window, which plait refuses.)
+# (Qwen's sliding_window only counts with use_sliding_window.)
 QWEN = {"num_key_value_heads": 32, "max_position_embeddings": 32768, "use_sliding_window": False,
         "sliding_window": 4096}
+QWEN_DENSE = {"max_window_layers": 28, "layer_types": None}
 
 DEFAULTS = {
     "llama": COMMON | {"head_dim": None, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
     "mistral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072,
                          "sliding_window": 4096},
-    "qwen2": COMMON | QWEN,
-    "qwen3": COMMON | QWEN | {"head_dim": 128, "attention_bias": False},
+    "qwen2": COMMON | QWEN | QWEN_DENSE,
+    "qwen3": COMMON | QWEN | QWEN_DENSE | {"head_dim": 128, "attention_bias": False},
     "olmo2": COMMON | {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False},
     "smollm3": COMMON | {"num_key_value_heads": 4, "rope_theta": 2000000.0, "max_position_embeddings": 32768,
                          "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-                         "use_sliding_window": False, "sliding_window": None, "no_rope_layers": None,
+                         "use_sliding_window": False, "sliding_window": None, "layer_types": None, "no_rope_layers": None,
                          "no_rope_layer_interval": 4},
     "qwen3_moe": COMMON | QWEN | {"num_key_value_heads": 4, "attention_bias": False, "decoder_sparse_step": 1,
                                   "mlp_only_layers": None, "num_experts_per_tok": 8, "norm_topk_prob": False},

@@ -33,33 +33,47 @@ class ScaledDotProduct(nn.Module):
     key/value heads (grouped-query attention, which SDPA's `enable_gqa` computes without a
     repeated copy of k and v: 20% less time forward + backward than repeating them). `mask`:
     None = causal over the sequence, SDPA's causal path; document ids [batch, keys]:
-    `masked_attention`; a BlockMask: FlexAttention. `queries`: where this rank's query rows lie
-    in the sequence, as (first index, length) runs (default: the last q.shape[2] keys' positions,
-    one run). A module of its own so context parallelism can hand it the keys and values (and
-    queries) it needs, and its queries' runs (forward hooks), without touching the model."""
+    `masked_attention`; a BlockMask: FlexAttention (a dict of them: by window). `queries`: where
+    this rank's query rows lie in the sequence, as (first index, length) runs (default: the last
+    q.shape[2] keys' positions, one run); `keys` likewise for k and v (default: from the first). `window` > 0: each query sees only itself and the
+    window - 1 keys before it. A module of its own so context parallelism can hand it the keys
+    and values (and queries) it needs, and its queries' runs (forward hooks), without touching
+    the model."""
+
+    def __init__(self, window: int = 0):
+        super().__init__()
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
-                queries: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+                queries: tuple[tuple[int, int], ...] = (), keys: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+        if mask is None and self.window:  # causal within a window: the masked path, one document
+            mask = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if isinstance(mask, torch.Tensor):
-            return masked_attention(q, k, v, mask, queries or ((k.shape[2] - q.shape[2], q.shape[2]),))
+            return masked_attention(q, k, v, mask, queries or ((k.shape[2] - q.shape[2], q.shape[2]),), self.window,
+                                    keys or ((0, k.shape[2]),))
+        if isinstance(mask, dict):
+            mask = mask[self.window]
         return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
-                    first: int) -> torch.Tensor:
-    """One query block (sequence indices `first` on) over the keys k and v hold, under the mask
-    built from `documents` here, in q's dtype (the compute dtype SDPA would convert it to)."""
+                    first: int, first_key: int, window: int) -> torch.Tensor:
+    """One query block (sequence indices `first` on) over the keys k and v hold (sequence indices
+    `first_key` on), under the mask built from `documents` here, in q's dtype (the compute dtype
+    SDPA would convert it to)."""
     rows = torch.arange(first, first + q.shape[2], device=q.device)
-    mask = additive(allowed(documents, rows, k.shape[2]), q.dtype)
+    mask = additive(allowed(documents, rows, first_key + k.shape[2], first_key, window), q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
-                     queries: tuple[tuple[int, int], ...]) -> torch.Tensor:
+                     queries: tuple[tuple[int, int], ...], window: int = 0,
+                     keys: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """SDPA under the document mask (or cp's causal rows: documents all zeros), one block of
-    QUERY_BLOCK query rows at a time over the keys up to its last row only: SDPA's causal path
+    QUERY_BLOCK query rows at a time over the keys up to its last row only (under a `window`,
+    from its first row's window on: O(seq x window), not seq^2): SDPA's causal path
     skips the blocks above the diagonal, but under a mask it computes every block and discards
     the masked ones (at seq 8192 that doubled attention's work). Each block's mask is built from
     the document ids, and each block is checkpointed (eager): backward builds the mask and the
@@ -68,13 +82,19 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     memory is one block's mask at a time. `enable_gqa` keeps k and v unrepeated (on a 2-core
     CPU at seq 2048 also 3x faster than repeating them under a mask). Block outputs are joined
     in the [batch, seq, heads, head_dim] layout SDPA writes, so the join is the one copy the
-    output projection reads (no transpose copy after it)."""
+    output projection reads (no transpose copy after it). `keys`: where k and v's rows lie in the
+    sequence, as runs (default: one from 0); each block's keys lie in one of them."""
     outputs, row = [], 0
+    keys = keys or ((0, k.shape[2]),)
+    key_rows = [sum(n for _, n in keys[:i]) for i in range(len(keys))]  # where each run starts in k
     for start, length in queries:
         for offset in range(0, length, QUERY_BLOCK):
             rows = slice(row + offset, row + min(offset + QUERY_BLOCK, length))
-            end = start + rows.stop - row  # one past this block's last query: the keys it may see
-            inputs = (q[:, :, rows], k[:, :, :end], v[:, :, :end], documents, start + offset)
+            first, end = start + offset, start + rows.stop - row  # the block's first query; one past its last
+            first_key = max(0, first - window + 1) if window else 0
+            run = next(i for i, (s, n) in enumerate(keys) if s <= first_key and end <= s + n)
+            held = slice(key_rows[run] + first_key - keys[run][0], key_rows[run] + end - keys[run][0])
+            inputs = (q[:, :, rows], k[:, :, held], v[:, :, held], documents, first, first_key, window)
             # (Compiled, the partitioner decides what backward keeps: torch 2.13 cannot trace this
             # checkpoint around TP's tensors.)
             recompute = torch.is_grad_enabled() and not torch.compiler.is_compiling()
@@ -85,7 +105,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rope: bool = True):
+    def __init__(self, args: ModelArgs, rope: bool = True, window: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
@@ -98,7 +118,7 @@ class Attention(nn.Module):
         elif args.qk_norm == "projection":  # a weight per entry of the projection (split with the heads under TP)
             self.q_proj_norm = ProjectionNorm(args.n_heads * args.head_dim, args.norm_eps)
             self.k_proj_norm = ProjectionNorm(args.n_kv_heads * args.head_dim, args.norm_eps)
-        self.core = ScaledDotProduct()
+        self.core = ScaledDotProduct(window)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -112,7 +132,7 @@ class Attention(nn.Module):
         if self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to every earlier position's keys and values too
-            k, v = cache.extend(self, k, v)
+            k, v = cache.extend(self, k, v, self.core.window)
             # Causal within the new positions; every cached one lies before them all: one document.
             mask = torch.zeros(batch, k.shape[1], dtype=torch.long, device=x.device)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
@@ -120,17 +140,22 @@ class Attention(nn.Module):
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, per attention layer, for generation."""
+    """Keys and values of the positions seen so far, per attention layer, for generation; of a
+    layer with a window, only the window - 1 latest (all its next query can see)."""
 
     def __init__(self):
         self.layers: dict[Attention, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0  # positions seen: where the next tokens' RoPE positions start
 
-    @property
-    def length(self) -> int:
-        return next(iter(self.layers.values()))[0].shape[1] if self.layers else 0
-
-    def extend(self, layer: Attention, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, window: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's keys and values after the cached ones (what attention sees now)."""
         if layer in self.layers:
             k, v = (torch.cat([old, new], dim=1) for old, new in zip(self.layers[layer], (k, v)))
-        self.layers[layer] = (k, v)
+        kept = max(0, k.shape[1] - window + 1) if window else 0
+        self.layers[layer] = (k[:, kept:], v[:, kept:])
         return k, v
+
+    def advance(self, tokens: int) -> None:
+        """The model has run `tokens` more positions through every layer."""
+        self.length += tokens

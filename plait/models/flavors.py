@@ -34,9 +34,11 @@ class ModelArgs:
     qk_norm: str = "none"  # RMSNorm of queries and keys before RoPE: "head" (Qwen3), "projection" (OLMo 2)
     post_norm: bool = False  # norm each sub-layer's output before the residual add (OLMo 2), not its input
     nope_layers: tuple[int, ...] = ()  # blocks whose attention uses no RoPE (SmolLM3: every fourth)
-    # Mistral's window of keys per query. plait computes attention over the whole sequence, which
-    # is the same model while sequences are no longer than the window; 0 = none.
+    # Sliding-window attention: a query sees itself and the sliding_window - 1 keys before it (0 =
+    # the whole sequence), in every block but full_layers (Mistral: all; Qwen: those below
+    # max_window_layers; gpt-oss and SmolLM3-style mixes: local and global blocks).
     sliding_window: int = 0
+    full_layers: tuple[int, ...] = ()
     # Mixture of experts (plait/models/moe.py): n_experts > 0 replaces the feed-forward of every block but
     # dense_layers with top_k of n_experts SwiGLUs of moe_hidden each, plus n_shared_experts that
     # every token goes through. router: "softmax" (then top k, renormalised if normalize_top_k;
@@ -54,6 +56,7 @@ class ModelArgs:
         # (a manifest's JSON gives a list back)
         object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        object.__setattr__(self, "full_layers", tuple(self.full_layers))
         # Settled once, so a checkpoint's manifest records every number of the shape.
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
@@ -66,6 +69,10 @@ class ModelArgs:
     def sparse(self, block: int) -> bool:
         """Whether block `block` is a mixture of experts."""
         return bool(self.n_experts) and block not in self.dense_layers
+
+    def window(self, block: int) -> int:
+        """Block `block`'s attention window (0: the whole sequence)."""
+        return 0 if block in self.full_layers else self.sliding_window
 
     @property
     def sparse_blocks(self) -> int:
@@ -89,6 +96,10 @@ FLAVORS = {
                              qkv_bias=True, family="qwen2"),
     "debug_olmo2": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
                              qk_norm="projection", post_norm=True, family="olmo2"),
+    # Qwen3 with a local block on a global one (max_window_layers 1): a window of 8 keys, shorter
+    # than the tests' documents and than a cp 2 chunk of their 64-token sequences.
+    "debug_sliding": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                               head_dim=64, qk_norm="head", sliding_window=8, full_layers=(0,), family="qwen3"),
     # Each family's small size (config.json of the published checkpoint), for benchmarks and plan.
     "qwen3_0_6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, vocab_size=151936, head_dim=128,
                             ffn_hidden=3072, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,

@@ -37,13 +37,19 @@ def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
     return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
 
 
-def allowed(documents: torch.Tensor, queries: torch.Tensor, keys: int | None = None) -> torch.Tensor:
-    """[batch, 1, len(queries), keys] boolean mask: the queries at sequence indices `queries`
-    against the first `keys` keys in sequence order (default: all), causal and within one
-    document (`documents` all zeros: causal alone)."""
-    keys = documents.shape[1] if keys is None else keys
-    key_index = torch.arange(keys, device=queries.device)
-    mask = (queries[:, None] >= key_index[None, :]) & (documents[:, queries, None] == documents[:, None, :keys])
+def allowed(documents: torch.Tensor, queries: torch.Tensor, end: int | None = None, start: int = 0,
+            window: int = 0) -> torch.Tensor:
+    """[batch, 1, len(queries), end - start] boolean mask: the queries at sequence indices
+    `queries` against the keys start ... end - 1 in sequence order (default: all), causal and
+    within one document (`documents` all zeros: causal alone); with a `window`, also fewer than
+    `window` positions back (a query sees itself and the window - 1 keys before it, as
+    transformers' sliding window does)."""
+    end = documents.shape[1] if end is None else end
+    key_index = torch.arange(start, end, device=queries.device)
+    back = queries[:, None] - key_index[None, :]
+    mask = (back >= 0) & (documents[:, queries, None] == documents[:, None, start:end])
+    if window:
+        mask &= back < window
     return mask[:, None]
 
 
@@ -52,12 +58,15 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def block_mask(documents: torch.Tensor, queries: torch.Tensor):
-    """The same mask as FlexAttention's BlockMask: it skips the blocks no query may attend to."""
+def block_mask(documents: torch.Tensor, queries: torch.Tensor, window: int = 0):
+    """The same mask as FlexAttention's BlockMask: it skips the blocks no query may attend to
+    (under a window, all but the few blocks along the diagonal)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def document_causal(b, h, q, k):
-        return (queries[q] >= k) & (documents[b, queries[q]] == documents[b, k])
+        back = queries[q] - k
+        visible = (back >= 0) & (documents[b, queries[q]] == documents[b, k])
+        return visible & (back < window) if window else visible
 
     return create_block_mask(document_causal, documents.shape[0], None, len(queries), documents.shape[1],
                              device=documents.device)

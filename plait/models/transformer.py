@@ -28,7 +28,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.post_norm = args.post_norm
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, rope=index not in args.nope_layers)
+        self.attention = Attention(args, rope=index not in args.nope_layers, window=args.window(index))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
 
@@ -81,13 +81,16 @@ class Transformer(nn.Module):
                 mask=None) -> torch.Tensor:
         """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
         `mask` (plait/models/masking.py): which keys each query sees: None = causal over the
-        sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMask."""
+        sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMask (a dict
+        of them by window, where blocks differ in their window)."""
         # A pipeline stage lacks some parts: what it lacks, the activations pass through.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         start = cache.length if cache is not None else 0
         rope = self.rope[positions] if positions is not None else self.rope[start:]
         for layer in self.layers.values():
             x = layer(x, rope, mask=mask, cache=cache)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         return self.output(self.norm(x)) if self.output is not None else x
 
     def init_std(self, name: str) -> float | None:
@@ -155,12 +158,14 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     experts, its top_k experts) plus attention scores.
 
     Attention counts the full (not causal) seq x seq products, 12 * layers * dim * seq, the
-    convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs.
+    convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs; a
+    sliding block's queries each meet at most its window of keys: 12 * dim * min(seq, window).
     """
     with torch.device("meta"):
         n = num_params(Transformer(args), exclude_embedding=True, active=True)
     tied_output = args.vocab_size * args.dim if args.tie_embeddings else 0  # a matmul, though no parameter of its own
-    return 6 * (n + tied_output) + 12 * args.n_layers * args.dim * seq_len
+    keys = sum(min(seq_len, args.window(block) or seq_len) for block in range(args.n_layers))
+    return 6 * (n + tied_output) + 12 * args.dim * keys
 
 
 def linear_weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:

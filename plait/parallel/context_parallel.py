@@ -132,11 +132,18 @@ class BatchLayout:
     """What this rank's model gets of each micro-batch: (tokens, labels, forward kwargs). Under the
     causal mask without cp, the batch as it is (SDPA's causal path); else RoPE positions and a
     mask (plait/models/masking.py) for this rank's share of the sequence. Under Ulysses
-    (`whole_sequences`: attention meets whole sequences) the causal mask needs no mask either."""
+    (`whole_sequences`: attention meets whole sequences) the causal mask needs no mask either.
+    FlexAttention gets a BlockMask per attention window of the model (`windows`, 0 = none)."""
 
-    def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int, whole_sequences: bool = False):
+    def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int, whole_sequences: bool = False,
+                 windows: tuple[int, ...] = (0,)):
         self.document, self.kernel, self.eos, self.rank, self.cp = mask == "document", kernel, eos, cp_rank, cp
-        self.whole_sequences = whole_sequences
+        self.whole_sequences, self.windows = whole_sequences, windows
+
+    def flex_masks(self, documents: torch.Tensor, queries: torch.Tensor):
+        if self.windows == (0,):
+            return block_mask(documents, queries)
+        return {window: block_mask(documents, queries, window) for window in self.windows}
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if not self.document and self.cp == 1:
@@ -149,7 +156,7 @@ class BatchLayout:
         else:
             documents = torch.zeros_like(inputs)
             positions = torch.arange(seq, device=inputs.device).expand(batch, -1)
-        mask = {"mask": block_mask(documents, queries) if self.kernel == "flex" else documents}
+        mask = {"mask": self.flex_masks(documents, queries) if self.kernel == "flex" else documents}
         if not self.document and self.whole_sequences:
             mask = {}  # SDPA's causal path, on each head's whole sequence
         if self.cp == 1:  # the whole sequence: nothing to shard
@@ -175,13 +182,34 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
         """Where the chunks of cp ranks `ranks` lie in the sequence: chunks r and 2·cp-1-r of each."""
         return tuple(run for r in ranks for run in ((r * chunk, chunk), ((2 * cp - 1 - r) * chunk, chunk)))
 
+    def window_keys(x: torch.Tensor, chunk: int, tail: int) -> torch.Tensor:
+        """This rank's two chunks, each after the `tail` keys before it (chunk 0: none): every
+        rank's chunks' tails all-gathered (with autograd), not the whole sequence."""
+        tails = torch.cat([x[:, :, chunk - tail:chunk], x[:, :, 2 * chunk - tail:]], dim=2).contiguous()
+        every = funcol.all_gather_tensor_autograd(tails, gather_dim=2, group=group)  # rank by rank, 2 tails each
+        segments = []
+        for i, c in enumerate((rank, 2 * cp - 1 - rank)):
+            if c > 0:  # chunk c - 1's tail, from the rank holding it (first or second of its chunks)
+                owner, second = (c - 1, 0) if c - 1 < cp else (2 * cp - c, 1)
+                segments.append(every[:, :, (2 * owner + second) * tail:(2 * owner + second + 1) * tail])
+            segments.append(x[:, :, i * chunk:(i + 1) * chunk])
+        return torch.cat(segments, dim=2)
+
+    def window_runs(chunk: int, tail: int) -> tuple[tuple[int, int], ...]:
+        """Where the keys `window_keys` returns lie in the sequence."""
+        return tuple((c * chunk - tail, tail + chunk) if c > 0 else (0, chunk) for c in (rank, 2 * cp - 1 - rank))
+
     def whole_sequence(module, args):
         q, k, v, mask = args
+        chunk, tail = q.shape[2] // 2, module.window - 1
+        if 0 < tail <= chunk:  # a sliding window within a chunk: only each chunk's predecessor's tail
+            k, v = (window_keys(t, chunk, tail) for t in (k, v))
+            return q, k, v, mask, chunk_runs([rank], chunk), window_runs(chunk, tail)
         # [batch, heads, seq, head_dim]: gathered along the sequence, with autograd (the
         # backward reduce-scatters the gradients); funcol keeps it traceable by torch.compile.
         k, v = (sequence_order(funcol.all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=group), cp, 2)
                 for t in (k, v))
-        return q, k, v, mask, chunk_runs([rank], q.shape[2] // 2)
+        return q, k, v, mask, chunk_runs([rank], chunk)
 
     def head_shards(module, args):
         q, k, v, mask = args

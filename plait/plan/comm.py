@@ -13,7 +13,8 @@ from plait.config import JobConfig, dp_degree
 from plait.models.flavors import ModelArgs
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
-                               rank_parameters, rank_stages, ulysses_degree, ulysses_kv_heads, units)
+                               rank_parameters, rank_stages, ulysses_degree, ulysses_kv_heads, units,
+                               window_tail_keys)
 
 
 def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[tuple[str, str], int]:
@@ -80,11 +81,15 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # Per micro-batch every block all-gathers its keys and values over cp / n ranks in forward
         # (the gather's output: the whole sequence's, in the compute dtype; under hybrid the
         # heads its Ulysses group gave it) and reduce-scatters their gradients in backward (its
-        # input, the same size); a checkpointed block gathers again.
-        kv = passes * tokens * p.cp * 2 * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * args.head_dim * e
-        out["forward", "all_gather", "cp"] += len(blocks) * kv
-        out["backward", "all_gather", "cp"] += recomputed * kv
-        out["backward", "reduce_scatter", "cp"] += len(blocks) * kv
+        # input, the same size); a checkpointed block gathers again. Under all-gather, a sliding
+        # window no longer than a chunk gathers only the window - 1 keys before each chunk.
+        per_key = passes * 2 * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * args.head_dim * e
+        checkpointed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
+        for block in block_indices(blocks):
+            keys = p.cp * window_tail_keys(args, cfg, block, tokens) or tokens * p.cp  # every rank's tails, or all
+            out["forward", "all_gather", "cp"] += keys * per_key
+            out["backward", "all_gather", "cp"] += (block in checkpointed) * keys * per_key
+            out["backward", "reduce_scatter", "cp"] += keys * per_key
     if p.tp > 1:
         # Sequence parallelism, per micro-batch: each block gathers its input twice (attention,
         # FFN) and reduce-scatters twice (wo, w2) in forward, the reverse in backward; the

@@ -142,7 +142,7 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
-                           cp: int = 1, moe: bool = False, heads_split: int = 1) -> int:
+                           cp: int = 1, moe: bool = False, heads_split: int = 1, tail_keys: int = 0) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -160,7 +160,9 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     up to a multiple of cp), and the output projection keeps its own copy of the output the
     second all-to-all returns; hybrid (1 < heads_split < cp) keeps, under a mask, heads /
     heads_split heads of q over its Ulysses group's chunks and of k and v over the whole
-    sequence. A q/k norm keeps
+    sequence. Under all-gather cp a sliding window no longer than a chunk keeps this rank's keys
+    and the `tail_keys` gathered before its chunks instead (window - 1 before each chunk but the
+    first: the ranks but rank 0, which plan predicts, all hold two). A q/k norm keeps
     its fp32 input and normalised values and 1/rms (8 * head_dim + 4 per head it normalises;
     over the projection, one 1/rms for all of them). Norms after the sub-layers (post_norm)
     keep what norms before them do: their fp32 input and values, and the linear layers keep the
@@ -178,8 +180,9 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
         matmuls = heads * hd + 2 * kv * hd + 2 * ffn + (1 + (not moe)) * d + (2 * d // tp if tp > 1 else 0)
         return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads) + experts
     norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
-    keys = cp * ulysses_kv_heads(kv, heads_split) // heads_split  # the key/value heads x tokens kept, per rank
-    attention = tokens * (2 * heads + 2 * keys + (heads_split > 1 and not masked) * heads) * hd * e
+    key_tokens = tokens + tail_keys if tail_keys else tokens * cp  # the keys a rank keeps ...
+    kv_kept = ulysses_kv_heads(kv, heads_split) // heads_split  # ... of this many key/value heads
+    attention = (tokens * (2 * heads + (heads_split > 1 and not masked) * heads) + 2 * key_tokens * kv_kept) * hd * e
     log_sum_exp = 0 if masked else 4 * heads
     qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8}[args.qk_norm]
     return norms + attention + tokens * (log_sum_exp + 4 * ffn * e + qk_norms) + experts
@@ -220,10 +223,11 @@ def ulysses_degree(cfg: JobConfig) -> int:
     return {"ulysses": p.cp, "hybrid": p.cp_ulysses}.get(p.cp_kind, 1) if p.cp > 1 else 1
 
 
-def masked(cfg: JobConfig) -> bool:
-    """Whether attention runs under a mask built from document ids: the document mask, or causal
-    rows under all-gather or hybrid cp (Ulysses' whole sequences take SDPA's causal path)."""
-    return cfg.model.attention_mask == "document" or 1 < cfg.parallelism.cp != ulysses_degree(cfg)
+def masked(cfg: JobConfig, window: int = 0) -> bool:
+    """Whether attention runs under a mask built from document ids: the document mask, causal
+    rows under all-gather or hybrid cp (Ulysses' whole sequences take SDPA's causal path), or a
+    block with a sliding `window`."""
+    return cfg.model.attention_mask == "document" or 1 < cfg.parallelism.cp != ulysses_degree(cfg) or window > 0
 
 
 def rope_rows_bytes(args: ModelArgs, cfg: JobConfig, sequences: int) -> int:
@@ -260,8 +264,9 @@ def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, 
 def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: bool, tokens: int, e: int) -> int:
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
-    total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp, masked(cfg),
-                                       cfg.parallelism.cp, args.sparse(i), ulysses_degree(cfg))
+    total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
+                                       masked(cfg, args.window(i)), cfg.parallelism.cp, args.sparse(i),
+                                       ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens))
                 for i in blocks)
     if last:
         vocab = args.vocab_size // tp
@@ -271,12 +276,22 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     return total
 
 
+def window_tail_keys(args: ModelArgs, cfg: JobConfig, block: int, tokens: int) -> int:
+    """Under all-gather cp, the keys a rank gathers for a sliding block whose window fits in a
+    chunk: window - 1 before each of its two chunks of each sequence (0: it gathers them all)."""
+    p, tail = cfg.parallelism, args.window(block) - 1
+    sequences = tokens * p.cp // cfg.training.seq_len
+    fits = p.cp > 1 and p.cp_kind == "allgather" and 0 < tail <= cfg.training.seq_len // (2 * p.cp)
+    return 2 * sequences * tail if fits else 0
+
+
 def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: int) -> int:
     """Workspace beside state and activations (an estimate): gathered parameters in the compute
     dtype (the root unit and two blocks, the one computing and the one prefetched, when FSDP
     shards; every parameter when it does not and compute is not fp32), one block's unsharded
     fp32 gradients before their reduce-scatter, the logits with their fp32 copy, and under a
-    mask one query block's mask (boolean and in the compute dtype) over the whole sequence."""
+    mask one query block's mask (boolean and in the compute dtype) over the whole sequence (over
+    its window's keys, where only sliding blocks are masked)."""
     p, t = cfg.parallelism, cfg.training
     grouped = units(params)
     sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp, 1, p.ep)) for u in grouped}
@@ -287,5 +302,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * sum(sizes.values()) if e != 4 else 0
     logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
-    mask = tokens // t.seq_len * min(QUERY_BLOCK, queries) * t.seq_len * (e + 1) if masked(cfg) else 0
+    window = max(args.window(block) for block in range(args.n_layers))
+    keys = t.seq_len if masked(cfg) else min(t.seq_len, window + QUERY_BLOCK - 1) if window else 0
+    mask = tokens // t.seq_len * min(QUERY_BLOCK, queries) * keys * (e + 1)
     return gathered + logits + mask

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from plait.config import JobConfig
+from plait.models.attention import QUERY_BLOCK
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
@@ -69,14 +70,17 @@ def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: in
         else:
             rows, cols = local_rows_cols(name, shape, layout)
             calls.append(2.0 * tokens * rows * cols)
-    return calls + attention_matmuls(args, tokens, seq_len, tp, causal)
+    return calls + attention_matmuls(args, tokens, seq_len, tp, causal, args.window(block))
 
 
-def attention_matmuls(args: ModelArgs, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
+def attention_matmuls(args: ModelArgs, tokens: int, seq_len: int, tp: int, causal: bool, window: int = 0
+                      ) -> list[float]:
     """Scores and values per head and sequence: 2 x queries x keys x head_dim FLOPs each, half
-    of it under a causal mask the kernel skips (no mask tensor)."""
+    of it under a causal mask the kernel skips (no mask tensor); under a sliding window each
+    query block meets its window's keys and its own (masked: computed whole)."""
     sequences = max(1, tokens // seq_len)
-    one = 2.0 * tokens / sequences * seq_len * args.head_dim * (0.5 if causal else 1.0)
+    keys = min(seq_len, window + QUERY_BLOCK - 1) if window else seq_len
+    one = 2.0 * tokens / sequences * keys * args.head_dim * (0.5 if causal and not window else 1.0)
     return [one] * (2 * args.n_heads // tp * sequences)
 
 
@@ -92,7 +96,7 @@ def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int
                   for flops in block_matmuls(args, block, tokens, seq_len, tp, causal))
     if is_masked:
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
-                       for flops in attention_matmuls(args, tokens, seq_len, tp, causal))
+                       for flops in attention_matmuls(args, tokens, seq_len, tp, causal, args.window(block)))
     saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split)
     elementwise = ELEMENTWISE_PASSES * (1 + recompute / 3) * saved / cal.elementwise_rate(dtype, tokens * args.dim * e,
                                                                                           cores)
@@ -114,10 +118,10 @@ def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | Non
     ac = cfg.activation_checkpoint
     recomputed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) if ac.mode == "full" else set()
     causal = cfg.model.attention_mask == "causal" and not masked(cfg)
-    kinds = Counter((args.sparse(b), b in recomputed) for b in blocks)  # blocks of one kind cost the same
-    representative = {(args.sparse(b), b in recomputed): b for b in blocks}
+    kinds = Counter((args.sparse(b), b in recomputed, args.window(b)) for b in blocks)  # one kind, one cost
+    representative = {(args.sparse(b), b in recomputed, args.window(b)): b for b in blocks}
     seconds = sum(n * block_seconds(args, representative[kind], tokens, t.seq_len, e, cal, cores, p.tp, p.cp, causal,
-                                    masked(cfg), kind[1], ulysses_degree(cfg)) for kind, n in kinds.items())
+                                    masked(cfg, kind[2]), kind[1], ulysses_degree(cfg)) for kind, n in kinds.items())
     if holds_output(args, params):  # the output layer's matmuls, the logits and the loss's fp32 log-softmax
         flops = 2.0 * tokens * args.dim * args.vocab_size / p.tp
         seconds += 3 * flops / cal.rate(dtype_name(e), flops, cores)
