@@ -14,7 +14,7 @@ from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
 from plait.parallel.context_parallel import check_context_parallel
 from plait.parallel.expert_parallel import check_expert_options
-from plait.parallel.pipeline import check_pipeline
+from plait.parallel.stages import check_pipeline
 from plait.precision import resolve
 from plait.optim.schedule import check_schedule
 from plait.metrics.wandb_log import check_wandb

@@ -41,7 +41,7 @@ from plait.optim.clipping import clip_and_norm
 from plait.optim.schedule import factor
 from plait.parallel import BatchLayout
 from plait.parallel.expert_parallel import check_experts
-from plait.parallel.pipeline import Pipeline, microbatches
+from plait.parallel.stages import microbatches
 from plait.parallel.context_parallel import check_heads
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
@@ -228,6 +228,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     pp = cfg.parallelism.pp > 1  # the pipeline enters loss parallelism around its whole schedule
     contexts = TrainContexts(precision, device.type, cfg.compile.autograd,
                              loss_parallel=cfg.parallelism.tp > 1 and cfg.parallelism.loss_parallel and not pp)
+    if pp:  # (imported here: torch.distributed.pipelining costs every other run 0.6 s at start-up)
+        from plait.parallel.pipeline import Pipeline
     pipeline = Pipeline(args, mesh, cfg, precision, device, contexts) if pp else None
     model = pipeline.module if pipeline else parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)

@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)  # this checkout's plait, whichever one an editable ins
 
 import plait.cli  # noqa: E402
 import plait.doctor  # noqa: E402,F401 (imported for the children: it imports plait.train)
+import plait.parallel.pipeline  # noqa: E402,F401 (and the pipeline rows' schedules, which plait.train imports late)
 
 
 def child(request: dict) -> None:

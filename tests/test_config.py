@@ -114,7 +114,7 @@ def test_ulysses_must_split_the_heads_each_tp_rank_holds():
 
 
 def test_pipeline_stages_are_balanced_or_split_where_asked():
-    from plait.parallel.pipeline import split_blocks, stage_indices
+    from plait.parallel.stages import split_blocks, stage_indices
 
     # The embedding and the output count as a block each: the end stages get fewer blocks.
     assert split_blocks(2, 2) == [range(0, 1), range(1, 2)]

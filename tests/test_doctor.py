@@ -18,7 +18,7 @@ from plait.doctor.job import job_config, reference_config
 from plait.doctor.network import pairings
 from plait.doctor.report import odd_ones
 from plait.models.masking import attention_kernel
-from plait.parallel.pipeline import microbatches
+from plait.parallel.stages import microbatches
 from plait.precision import resolve
 
 FAULTS = ROOT / "tests" / "faults"  # sitecustomize.py: faults injected from outside plait

@@ -2,7 +2,8 @@
 Mistral, OLMo 2 (norms after each sub-layer, q/k norm over the projection, attention biases),
 SmolLM3 (a block without RoPE), Qwen3-MoE (experts, and a dense block among them) and Mixtral,
 each a tiny random model made by transformers itself; Qwen2, Qwen3, Mistral and SmolLM3 with
-sliding windows shorter than the sequences (in some blocks or all).
+sliding windows shorter than the sequences (in some blocks or all), Qwen3-MoE and OLMo 2 with
+YaRN RoPE.
 
 plait builds each from its config.json alone: its logits equal transformers', greedy
 `plait generate --ids` gives transformers' greedy tokens, import then export is bitwise with
@@ -34,13 +35,19 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
                                   layer_types=["sliding_attention", "full_attention"] * 2)),
     "mistral": ("MistralConfig", dict(sliding_window=8)),  # every block slides
-    "olmo2": ("Olmo2Config", dict(attention_bias=True)),
+    # YaRN with DeepSeek-V3's mscale fields and other betas
+    "olmo2": ("Olmo2Config", dict(attention_bias=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5})),
     # block 3 has no RoPE, and slides
     "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=4, tie_word_embeddings=True, use_sliding_window=True,
                                       sliding_window=8)),
     # 4 experts, each token to 2; block 1 dense (mlp_only_layers)
+    # YaRN RoPE (4x an original context of 128; Qwen3's long-context recipe), its attention factor from factor
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                         mlp_only_layers=[1], norm_topk_prob=True)),
+                                         mlp_only_layers=[1], norm_topk_prob=True,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                          "original_max_position_embeddings": 128})),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"

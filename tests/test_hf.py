@@ -186,10 +186,10 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
         return out
 
     train = ["train", *TINY, "--training.steps", "1", "--checkpoint.load"]
-    yarn = variant("yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    assert one_line(*train, str(yarn)) == (
-        f"plait: error: checkpoint.load: {yarn / 'config.json'}: RoPE scaling 'yarn' is not supported; plait "
-        "implements default, linear, llama3")
+    longrope = variant("longrope", rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    assert one_line(*train, str(longrope)) == (
+        f"plait: error: checkpoint.load: {longrope / 'config.json'}: RoPE scaling 'longrope' is not supported; plait "
+        "implements default, linear, llama3, yarn")
     gemma = variant("gemma", model_type="gemma2")
     assert one_line(*train, str(gemma)) == (
         f"plait: error: checkpoint.load: {gemma / 'config.json'} holds a model_type 'gemma2' model; plait reads llama, "
@@ -203,8 +203,12 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
                            "sets final_logit_softcapping (logit soft-capping), which plait does not compute; allowed: "
                            "unset, null or false"),
                           ({"model_type": "qwen2", "num_experts": 8}, "sets num_experts (mixture of experts)"),
-                          ({"hidden_act": "gelu"}, "sets hidden_act 'gelu'; allowed: 'silu'")]:
-        with pytest.raises(ConfigError, match="config.json " + re.escape(named)):
+                          ({"hidden_act": "gelu"}, "sets hidden_act 'gelu'; allowed: 'silu'"),
+                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                           ": RoPE scaling 'yarn' lacks original_max_position_embeddings"),
+                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                             "partial_rotary_factor": 0.5}}, ": partial_rotary_factor 0.5: plait")]:
+        with pytest.raises(ConfigError, match="config.json" + ("" if named.startswith(":") else " ") + re.escape(named)):
             hf.model_args(variant("_".join(map(str, fields.values())), **fields), "checkpoint.load")
     missing = variant("missing", sharded=True)
     shard = sorted(missing.glob("model-*.safetensors"))[-1]

@@ -29,7 +29,7 @@ from plait.doctor.network import agree
 from plait.doctor.report import FAIL, PASS, WARN, Check, rank_list
 from plait.models.masking import attention_kernel
 from plait.models.transformer import Transformer
-from plait.parallel.pipeline import microbatches
+from plait.parallel.stages import microbatches
 from plait.precision import resolve
 from plait.train import run
 

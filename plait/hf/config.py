@@ -20,7 +20,10 @@ from plait.hf.defaults import DEFAULTS, setting
 from plait.models.flavors import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               "yarn": ("factor", "original_max_position_embeddings")}
+# Fields a scaling type may set and otherwise defaults (plait/models/rope.py has the defaults)
+ROPE_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
 
 
 def is_hf_folder(folder: Path) -> bool:
@@ -49,7 +52,11 @@ def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | 
     missing = [f for f in ROPE_FIELDS[kind] if f not in scaling]
     if missing:
         raise ConfigError(f"{where}: RoPE scaling '{kind}' lacks {', '.join(missing)}")
-    return theta, {"rope_type": kind, **{f: scaling[f] for f in ROPE_FIELDS[kind]}}
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']}: plait rotates every "
+                          "pair of a head; allowed: 1.0")
+    optional = {f: scaling[f] for f in ROPE_OPTIONAL.get(kind, ()) if scaling.get(f) is not None}
+    return theta, {"rope_type": kind, **{f: scaling[f] for f in ROPE_FIELDS[kind]}, **optional}
 
 
 # model_type -> the architecture transformers builds for it. Each is Llama with switches.

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE): the per-position angles, with Llama 3's and linear
+"""Rotary position embeddings (RoPE): the per-position angles, with Llama 3's, linear and YaRN
 scaling, and the rotation of interleaved pairs as Meta's reference does it."""
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ import torch
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """The angle per position of each pair, as transformers computes it for Llama (bitwise):
     `linear` divides every frequency by `factor`; `llama3` divides only the low ones (wavelength
-    beyond the original context / low_freq_factor), keeps the high ones and blends in between."""
+    beyond the original context / low_freq_factor), keeps the high ones and blends in between;
+    `yarn` likewise divides the pairs that turn fewer than beta_slow times over the original
+    context, keeps those that turn more than beta_fast times, and ramps linearly in between."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "linear":
         return freqs / scaling["factor"]
+    if kind == "yarn":
+        return yarn_frequencies(head_dim, theta, scaling)
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         context = scaling["original_max_position_embeddings"]
@@ -29,10 +33,49 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
     return freqs
 
 
+def yarn_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies (arXiv 2309.00071), as transformers' `_compute_yarn_parameters`."""
+    context, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def pair_turning(rotations: float) -> float:  # the pair index that turns `rotations` times over the context
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(fast), pair_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high += 0.001 if low == high else 0  # (no zero-width ramp)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    kept = 1 - ramp  # 1: the pair keeps its frequency (extrapolation); 0: divided by factor
+    return 1.0 / (factor * base) * (1 - kept) + 1.0 / base * kept
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """YaRN's scale of q and k (cos and sin times it): attention_factor, else from factor (and
+    mscale / mscale_all_dim where both are set, as DeepSeek-V3's configs do); 1 otherwise."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """cos/sin of every (position, pair) as a [max_seq_len, head_dim/2, 2] float32 table."""
+    """cos/sin of every (position, pair) as a [max_seq_len, head_dim/2, 2] float32 table (under
+    YaRN times its attention factor, which so scales q and k)."""
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_frequencies(head_dim, theta, scaling))
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    scale = attention_factor(scaling)
+    return table * scale if scale != 1.0 else table
 
 
 # Inductor leaves apply_rope's complex product to its eager kernel and warns that this may be

@@ -29,7 +29,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     """Bytes per step of a rank's collectives (running `stages` of a pipeline) by (phase, kind,
     mesh dimension), as `plait trace` counts them: a gather's output, a scatter's input, a
     reduced tensor, a sent or received tensor."""
-    from plait.parallel.pipeline import microbatches
+    from plait.parallel.stages import microbatches
 
     p, t = cfg.parallelism, cfg.training
     layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)

@@ -64,20 +64,20 @@ def local_rows_cols(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[
 
 def rank_stages(cfg: JobConfig, pp_rank: int) -> list[int] | None:
     """The pipeline stages a pp rank runs (None without a pipeline)."""
-    from plait.parallel.pipeline import stage_indices, stages_per_rank
+    from plait.parallel.stages import stage_indices, stages_per_rank
 
     p = cfg.parallelism
     return None if p.pp == 1 else stage_indices(pp_rank, p.pp, stages_per_rank(cfg), p.pp_schedule)
 
 
 def stage_count(cfg: JobConfig) -> int:
-    from plait.parallel.pipeline import stages_per_rank
+    from plait.parallel.stages import stages_per_rank
 
     return cfg.parallelism.pp * stages_per_rank(cfg)
 
 
 def stage_blocks(args: ModelArgs, cfg: JobConfig, stage: int) -> range:
-    from plait.parallel.pipeline import split_blocks
+    from plait.parallel.stages import split_blocks
 
     return split_blocks(args.n_layers, stage_count(cfg), cfg.parallelism.pp_split_points)[stage]
 
@@ -247,7 +247,7 @@ def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, 
     kept for backward. In-flight counts are exact for gpipe (every forward first) and 1f1b
     (pp - stage forwards before the first backward); for the interleaved and V schedules
     they are an upper bound (stages - stage)."""
-    from plait.parallel.pipeline import microbatches
+    from plait.parallel.stages import microbatches
 
     t, p = cfg.training, cfg.parallelism
     if stages is None:

@@ -86,7 +86,7 @@ class Row:
 
 def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
     """The start-up checks that need the model: TP divisibility, pipeline and expert options."""
-    from plait.parallel.pipeline import check_pipeline
+    from plait.parallel.stages import check_pipeline
     from plait.parallel.context_parallel import check_heads
     from plait.parallel.tensor_parallel import check_divisibility
 
@@ -104,7 +104,7 @@ def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
 def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, cal: Calibration,
                 node_size: int) -> Row:
     """One validated job's row: its largest pipeline rank's memory, its slowest rank's step."""
-    from plait.parallel.pipeline import microbatches
+    from plait.parallel.stages import microbatches
 
     p, t = cfg.parallelism, cfg.training
     e = cal.compute_bytes(t.mixed_precision_param)

@@ -108,7 +108,7 @@ def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int
 def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int, cal: Calibration,
                         cores: float) -> float:
     """One micro-batch's forward and backward on a rank (its stages' blocks and ends), recompute included."""
-    from plait.parallel.pipeline import microbatches
+    from plait.parallel.stages import microbatches
 
     p, t = cfg.parallelism, cfg.training
     sequences = t.micro_batch_size // (1 if stages is None else microbatches(cfg))
@@ -189,7 +189,7 @@ def step_time(args: ModelArgs, cfg: JobConfig, world: int, stages: list[int] | N
               cal: Calibration, node_size: int) -> StepTime:
     """The predicted step of one rank (running `stages`), with what it is made of."""
     from plait.config import dp_degree
-    from plait.parallel.pipeline import microbatches, stages_per_rank
+    from plait.parallel.stages import microbatches, stages_per_rank
 
     p, t = cfg.parallelism, cfg.training
     cores = share(cfg, world, node_size, cal)
