@@ -76,8 +76,13 @@ def test_the_causal_mask_as_a_tensor_equals_the_causal_path_bitwise():
 def test_flex_attention_forward_equals_sdpa_under_the_document_mask(flavor):
     """Where both run (forward on CPU; CPU has no FlexAttention backward), the same numbers:
     fp32, measured 3.6e-7, bound 2e-6 (FlexAttention reduces blocks in another order). A model
-    with a sliding block gets a BlockMask per window (BatchLayout's)."""
+    with a sliding block gets a BlockMask per window (BatchLayout's); its sinks (debug_sliding's)
+    join FlexAttention's softmax through its log-sum-exp."""
     model = debug_model(flavor)
+    with torch.no_grad():  # (sinks away from their init of 0: each head its own)
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
     tokens = packed([30, 50, 47], torch.Generator().manual_seed(3))[:, :128]
     windows = tuple(sorted({model.args.window(block) for block in range(model.args.n_layers)}))
     _, _, sdpa_kwargs = BatchLayout("document", "sdpa", EOS, 0, 1, windows=windows)(tokens, tokens)
@@ -122,6 +127,28 @@ def test_a_blocks_mask_is_built_from_document_ids_in_the_compute_dtype():
     assert additive(mask, torch.float32)[0, 0].tolist() == [[0, -float("inf"), -float("inf"), -float("inf")],
                                                            [0, 0, -float("inf"), -float("inf")],
                                                            [0, 0, 0, -float("inf")], [0, 0, 0, 0]]
+
+
+def test_attention_sinks_join_each_softmax_as_one_more_score_with_no_value():
+    """A sink logit per head (gpt-oss) in the SDPA path equals the explicit softmax over the
+    scores and the sink, dropped after, under a document mask and a window: fp32, forward within
+    1e-6 (measured 3.6e-7), gradients (sinks included: a sum over 700 rows) within 1e-6 of their
+    largest entry (measured 1.3e-7; other kernels' summation orders)."""
+    from plait.models.attention import masked_attention
+
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 700, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 700, 16, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    documents = document_ids(torch.randint(0, 40, (1, 700), generator=g), EOS)
+    allowed_rows = allowed(documents, torch.arange(700), window=300)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4).masked_fill(~allowed_rows, float("-inf"))
+    with_sink = torch.cat([scores, sinks[None, :, None, None].expand(1, 4, 700, 1)], -1).softmax(-1)
+    explicit = with_sink[..., :-1] @ v.repeat_interleave(2, 1)
+    ours = masked_attention(q, k, v, documents, ((0, 700),), 300, sinks=sinks)
+    assert (explicit - ours).abs().max() <= 1e-6
+    grads = [torch.autograd.grad(out.square().sum(), (q, k, v, sinks)) for out in (explicit, ours)]
+    assert max((a - b).abs().max() / a.abs().max() for a, b in zip(*grads)) <= 1e-6
 
 
 @pytest.mark.parametrize("window", [0, 100, 700])

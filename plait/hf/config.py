@@ -163,9 +163,11 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     fields of the source folder's config.json (`source`, when the run started from one; its
     special token ids too) with every field plait computes written over them."""
     if args.family not in FAMILIES:
+        why = {"plait_moe": "DeepSeek-V3's router and shared experts come with an attention plait does not have",
+               "plait_sinks": "attention sinks come with gpt-oss's experts, which plait does not have"}
         raise ConfigError(f"checkpoint: a {args.family} model has no Hugging Face architecture plait writes "
-                          f"(DeepSeek-V3's router and shared experts come with an attention plait does not have); "
-                          f"exported families: {', '.join(FAMILIES)}")
+                          f"({why.get(args.family, 'no family has its switches')}); exported families: "
+                          f"{', '.join(FAMILIES)}")
     if args.qkv_bias != args.out_bias and args.family != "qwen2":
         raise ConfigError(f"checkpoint: a {args.family} config.json has one attention_bias for q/k/v and the output "
                           "projection; this model has biases on only some")

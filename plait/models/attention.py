@@ -35,42 +35,70 @@ class ScaledDotProduct(nn.Module):
     None = causal over the sequence, SDPA's causal path; document ids [batch, keys]:
     `masked_attention`; a BlockMask: FlexAttention (a dict of them: by window). `queries`: where
     this rank's query rows lie in the sequence, as (first index, length) runs (default: the last
-    q.shape[2] keys' positions, one run); `keys` likewise for k and v (default: from the first). `window` > 0: each query sees only itself and the
-    window - 1 keys before it. A module of its own so context parallelism can hand it the keys
-    and values (and queries) it needs, and its queries' runs (forward hooks), without touching
-    the model."""
+    q.shape[2] keys' positions, one run); `keys` likewise for k and v (default: from the first);
+    `heads`: which of the module's heads q holds (default: all). `window` > 0: each query sees
+    only itself and the window - 1 keys before it. `sink_heads` > 0: a learned sink logit per
+    head joins each softmax's denominator (gpt-oss). A module of its own so context parallelism
+    can hand it the keys and values (and queries, and heads) it needs (forward hooks), without
+    touching the model."""
 
-    def __init__(self, window: int = 0):
+    def __init__(self, window: int = 0, sink_heads: int = 0):
         super().__init__()
         self.window = window
+        # (a parameter of the kernel's module: context parallelism's hooks hand the kernel its heads)
+        self.sinks = nn.Parameter(torch.zeros(sink_heads)) if sink_heads else None
+
+    def sink_logits(self) -> torch.Tensor | None:
+        """The sinks of the heads this module holds (tensor parallelism hands back its share)."""
+        return self.sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
-                queries: tuple[tuple[int, int], ...] = (), keys: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
-        if mask is None and self.window:  # causal within a window: the masked path, one document
+                queries: tuple[tuple[int, int], ...] = (), keys: tuple[tuple[int, int], ...] = (),
+                heads: slice = slice(None)) -> torch.Tensor:
+        sinks = self.sink_logits()
+        sinks = sinks[heads] if sinks is not None else None  # (Ulysses: this rank's share of the heads)
+        if mask is None and (self.window or sinks is not None):  # the masked path, one document
             mask = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if isinstance(mask, torch.Tensor):
             return masked_attention(q, k, v, mask, queries or ((k.shape[2] - q.shape[2], q.shape[2]),), self.window,
-                                    keys or ((0, k.shape[2]),))
+                                    keys or ((0, k.shape[2]),), sinks)
         if isinstance(mask, dict):
             mask = mask[self.window]
-        return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
+        if sinks is None:
+            return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
+        # A sink's share of each softmax: out x sum / (sum + e^sink) = out x sigmoid(lse - sink).
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        return out * torch.sigmoid(aux.lse - sinks[:, None].to(aux.lse.dtype))[..., None].to(out.dtype)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
-                    first: int, first_key: int, window: int) -> torch.Tensor:
+                    first: int, first_key: int, window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query block (sequence indices `first` on) over the keys k and v hold (sequence indices
     `first_key` on), under the mask built from `documents` here, in q's dtype (the compute dtype
-    SDPA would convert it to)."""
+    SDPA would convert it to). With `sinks`, one more key every query sees, whose score is its
+    head's sink and whose value is zero: a coordinate appended to q (sink / scale) and k (0; the
+    sink key's 1) gives it that score in SDPA's own kernel, gradients included."""
     rows = torch.arange(first, first + q.shape[2], device=q.device)
     mask = additive(allowed(documents, rows, first_key + k.shape[2], first_key, window), q.dtype)
+    if sinks is not None:
+        scale = q.shape[-1] ** -0.5  # (the head's: q's last dimension grows by one)
+        (batch, heads, length, d), kv_heads = q.shape, k.shape[1]
+        q = torch.cat([q, (sinks / scale).to(q.dtype)[None, :, None, None].expand(batch, heads, length, 1)], -1)
+        sink_key = torch.cat([k.new_zeros(batch, kv_heads, 1, d), k.new_ones(batch, kv_heads, 1, 1)], -1)
+        k = torch.cat([torch.cat([k, k.new_zeros(*k.shape[:3], 1)], -1), sink_key], 2)
+        v = torch.cat([v, v.new_zeros(batch, kv_heads, 1, v.shape[-1])], 2)
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:3], 1)], -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
                      queries: tuple[tuple[int, int], ...], window: int = 0,
-                     keys: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+                     keys: tuple[tuple[int, int], ...] = (), sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA under the document mask (or cp's causal rows: documents all zeros), one block of
     QUERY_BLOCK query rows at a time over the keys up to its last row only (under a `window`,
     from its first row's window on: O(seq x window), not seq^2): SDPA's causal path
@@ -94,7 +122,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
             first_key = max(0, first - window + 1) if window else 0
             run = next(i for i, (s, n) in enumerate(keys) if s <= first_key and end <= s + n)
             held = slice(key_rows[run] + first_key - keys[run][0], key_rows[run] + end - keys[run][0])
-            inputs = (q[:, :, rows], k[:, :, held], v[:, :, held], documents, first, first_key, window)
+            inputs = (q[:, :, rows], k[:, :, held], v[:, :, held], documents, first, first_key, window, sinks)
             # (Compiled, the partitioner decides what backward keeps: torch 2.13 cannot trace this
             # checkpoint around TP's tensors.)
             recompute = torch.is_grad_enabled() and not torch.compiler.is_compiling()
@@ -118,7 +146,7 @@ class Attention(nn.Module):
         elif args.qk_norm == "projection":  # a weight per entry of the projection (split with the heads under TP)
             self.q_proj_norm = ProjectionNorm(args.n_heads * args.head_dim, args.norm_eps)
             self.k_proj_norm = ProjectionNorm(args.n_kv_heads * args.head_dim, args.norm_eps)
-        self.core = ScaledDotProduct(window)
+        self.core = ScaledDotProduct(window, args.n_heads if args.attention_sinks else 0)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape

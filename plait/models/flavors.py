@@ -39,6 +39,9 @@ class ModelArgs:
     # max_window_layers; gpt-oss and SmolLM3-style mixes: local and global blocks).
     sliding_window: int = 0
     full_layers: tuple[int, ...] = ()
+    # A learned logit per head that joins each softmax's denominator (gpt-oss): a query may give
+    # part of its attention to nothing.
+    attention_sinks: bool = False
     # Mixture of experts (plait/models/moe.py): n_experts > 0 replaces the feed-forward of every block but
     # dense_layers with top_k of n_experts SwiGLUs of moe_hidden each, plus n_shared_experts that
     # every token goes through. router: "softmax" (then top k, renormalised if normalize_top_k;
@@ -74,6 +77,11 @@ class ModelArgs:
         """Block `block`'s attention window (0: the whole sequence)."""
         return 0 if block in self.full_layers else self.sliding_window
 
+    def own_mask(self, block: int) -> bool:
+        """Whether block `block` attends under a mask even where the sequence is causal alone
+        (a window, or sinks: SDPA's causal path has neither)."""
+        return bool(self.window(block)) or self.attention_sinks
+
     @property
     def sparse_blocks(self) -> int:
         return sum(map(self.sparse, range(self.n_layers)))
@@ -96,10 +104,12 @@ FLAVORS = {
                              qkv_bias=True, family="qwen2"),
     "debug_olmo2": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
                              qk_norm="projection", post_norm=True, family="olmo2"),
-    # Qwen3 with a local block on a global one (max_window_layers 1): a window of 8 keys, shorter
-    # than the tests' documents and than a cp 2 chunk of their 64-token sequences.
+    # gpt-oss's attention on Qwen3's shape: a local block on a global one, a window of 8 keys
+    # (shorter than the tests' documents and than a cp 2 chunk of their 64-token sequences), and
+    # attention sinks. (Exported nowhere: Qwen3 has no sinks.)
     "debug_sliding": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
-                               head_dim=64, qk_norm="head", sliding_window=8, full_layers=(0,), family="qwen3"),
+                               head_dim=64, qk_norm="head", sliding_window=8, full_layers=(0,), attention_sinks=True,
+                               family="plait_sinks"),
     # Each family's small size (config.json of the published checkpoint), for benchmarks and plan.
     "qwen3_0_6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, vocab_size=151936, head_dim=128,
                             ffn_hidden=3072, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,

@@ -102,7 +102,7 @@ class Transformer(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(".bias"):
+        if name.endswith((".bias", ".sinks")):  # (sinks from 0: at first a sink takes what one zero score would)
             return 0.0
         if name == "tok_embeddings.weight":  # tied, it is the output layer's too: that scale
             return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0

@@ -211,19 +211,25 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
                 for t in (k, v))
         return q, k, v, mask, chunk_runs([rank], chunk)
 
+    def my_heads(heads: int) -> slice:
+        """The query heads `heads_to_ranks` leaves this rank (for their sinks)."""
+        share = heads // n
+        return slice(rank % n * share, (rank % n + 1) * share)
+
     def head_shards(module, args):
         q, k, v, mask = args
+        heads = my_heads(q.shape[1])
         q, k, v = (sequence_order(heads_to_ranks(t, cp, group), cp, 2) for t in (q, repeat_kv(k, cp), repeat_kv(v, cp)))
-        return q, k, v, mask  # the whole sequence's queries: the mask's rows are all of it
+        return q, k, v, mask, (), (), heads  # the whole sequence's queries: the mask's rows are all of it
 
     def head_shards_then_keys(module, args):
         q, k, v, mask = args
-        chunk = q.shape[2] // 2
+        chunk, heads = q.shape[2] // 2, my_heads(q.shape[1])
         q, k, v = (heads_to_ranks(t, n, heads_group) for t in (q, repeat_kv(k, n), repeat_kv(v, n)))
         k, v = (sequence_order(funcol.all_gather_tensor_autograd(t, gather_dim=2, group=keys_group), cp, 2)
                 for t in (k, v))
         first = rank - rank % n  # the queries: this Ulysses group's chunks, rank by rank
-        return q, k, v, mask, chunk_runs(range(first, first + n), chunk)
+        return q, k, v, mask, chunk_runs(range(first, first + n), chunk), (), heads
 
     def back_to_chunks(module, args, out):
         return ranks_to_heads(rank_order(out, cp, 2) if kind == "ulysses" else out, n, heads_group)

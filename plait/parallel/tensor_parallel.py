@@ -82,6 +82,16 @@ class ProjectionNormParallel(ParallelStyle):
         return module
 
 
+class HeadsParallel(ParallelStyle):
+    """The attention kernel's parameter per head (sinks), split as the heads are: the kernel
+    reads its share."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        module.register_parameter("sinks", nn.Parameter(distribute_tensor(module.sinks, mesh, [Shard(0)])))
+        module.sink_logits = lambda: module.sinks.to_local()
+        return module
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     # Between blocks activations are split on the sequence (SP) or replicated.
     between = Shard(1) if sequence_parallel else Replicate()
@@ -127,4 +137,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             plan["attention.q_norm"] = plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif block.attention.qk_norm == "projection":
             plan["attention.q_proj_norm"] = plan["attention.k_proj_norm"] = ProjectionNormParallel()
+        if block.attention.core.sinks is not None:
+            plan["attention.core"] = HeadsParallel()
         parallelize_module(block, tp_mesh, plan)

@@ -23,7 +23,8 @@ from plait.parallel.activation_checkpoint import checkpointed_blocks
 
 # (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum.)
 COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight",
-           "wq.bias", "wk.bias", "wv.bias", "w1.bias", "w3.bias", "q_proj_norm.weight", "k_proj_norm.weight")
+           "wq.bias", "wk.bias", "wv.bias", "w1.bias", "w3.bias", "q_proj_norm.weight", "k_proj_norm.weight",
+           "core.sinks")
 ROWWISE = ("wo.weight", "w2.weight")
 
 
@@ -223,11 +224,11 @@ def ulysses_degree(cfg: JobConfig) -> int:
     return {"ulysses": p.cp, "hybrid": p.cp_ulysses}.get(p.cp_kind, 1) if p.cp > 1 else 1
 
 
-def masked(cfg: JobConfig, window: int = 0) -> bool:
+def masked(cfg: JobConfig, own_mask: bool = False) -> bool:
     """Whether attention runs under a mask built from document ids: the document mask, causal
     rows under all-gather or hybrid cp (Ulysses' whole sequences take SDPA's causal path), or a
-    block with a sliding `window`."""
-    return cfg.model.attention_mask == "document" or 1 < cfg.parallelism.cp != ulysses_degree(cfg) or window > 0
+    block with a mask of its own (ModelArgs.own_mask: a sliding window, sinks)."""
+    return cfg.model.attention_mask == "document" or 1 < cfg.parallelism.cp != ulysses_degree(cfg) or own_mask
 
 
 def rope_rows_bytes(args: ModelArgs, cfg: JobConfig, sequences: int) -> int:
@@ -265,7 +266,7 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
-                                       masked(cfg, args.window(i)), cfg.parallelism.cp, args.sparse(i),
+                                       masked(cfg, args.own_mask(i)), cfg.parallelism.cp, args.sparse(i),
                                        ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens))
                 for i in blocks)
     if last:
@@ -303,6 +304,6 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
     window = max(args.window(block) for block in range(args.n_layers))
-    keys = t.seq_len if masked(cfg) else min(t.seq_len, window + QUERY_BLOCK - 1) if window else 0
+    keys = t.seq_len if masked(cfg, args.attention_sinks) else min(t.seq_len, window + QUERY_BLOCK - 1) if window else 0
     mask = tokens // t.seq_len * min(QUERY_BLOCK, queries) * keys * (e + 1)
     return gathered + logits + mask

@@ -70,7 +70,7 @@ def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: in
         else:
             rows, cols = local_rows_cols(name, shape, layout)
             calls.append(2.0 * tokens * rows * cols)
-    return calls + attention_matmuls(args, tokens, seq_len, tp, causal, args.window(block))
+    return calls + attention_matmuls(args, tokens, seq_len, tp, causal and not args.own_mask(block), args.window(block))
 
 
 def attention_matmuls(args: ModelArgs, tokens: int, seq_len: int, tp: int, causal: bool, window: int = 0
@@ -96,7 +96,8 @@ def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int
                   for flops in block_matmuls(args, block, tokens, seq_len, tp, causal))
     if is_masked:
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
-                       for flops in attention_matmuls(args, tokens, seq_len, tp, causal, args.window(block)))
+                       for flops in attention_matmuls(args, tokens, seq_len, tp, causal and not args.own_mask(block),
+                                                      args.window(block)))
     saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split)
     elementwise = ELEMENTWISE_PASSES * (1 + recompute / 3) * saved / cal.elementwise_rate(dtype, tokens * args.dim * e,
                                                                                           cores)
@@ -121,7 +122,8 @@ def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | Non
     kinds = Counter((args.sparse(b), b in recomputed, args.window(b)) for b in blocks)  # one kind, one cost
     representative = {(args.sparse(b), b in recomputed, args.window(b)): b for b in blocks}
     seconds = sum(n * block_seconds(args, representative[kind], tokens, t.seq_len, e, cal, cores, p.tp, p.cp, causal,
-                                    masked(cfg, kind[2]), kind[1], ulysses_degree(cfg)) for kind, n in kinds.items())
+                                    masked(cfg, args.own_mask(representative[kind])), kind[1], ulysses_degree(cfg))
+                  for kind, n in kinds.items())
     if holds_output(args, params):  # the output layer's matmuls, the logits and the loss's fp32 log-softmax
         flops = 2.0 * tokens * args.dim * args.vocab_size / p.tp
         seconds += 3 * flops / cal.rate(dtype_name(e), flops, cores)
