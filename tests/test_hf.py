@@ -204,6 +204,7 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
                            "unset, null or false"),
                           ({"model_type": "qwen2", "num_experts": 8}, "sets num_experts (mixture of experts)"),
                           ({"hidden_act": "gelu"}, "sets hidden_act 'gelu'; allowed: 'silu'"),
+                          ({"rms_norm_eps": None}, "sets rms_norm_eps null; allowed: a number"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
                            ": RoPE scaling 'yarn' lacks original_max_position_embeddings"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,

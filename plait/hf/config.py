@@ -129,6 +129,14 @@ def window_switches(config: dict, family: str) -> dict:
     return {"sliding_window": int(window), "full_layers": full}
 
 
+def number(config: dict, family: str, field: str, where: str) -> float:
+    """A field that must be a number (null or text in config.json: one line, not a TypeError)."""
+    value = setting(config, family, field)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} sets {field} {json.dumps(value)}; allowed: a number")
+    return float(value)
+
+
 def model_args(folder: Path, option: str) -> ModelArgs:
     """The model a Hugging Face folder holds, from its config.json."""
     config, where = read_config(folder, option), f"{option}: {folder / 'config.json'}"
@@ -149,7 +157,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                          n_kv_heads=setting(config, family, "num_key_value_heads") or heads,
                          vocab_size=config["vocab_size"], ffn_hidden=config["intermediate_size"],
                          head_dim=setting(config, family, "head_dim") or config["hidden_size"] // heads,
-                         norm_eps=float(setting(config, family, "rms_norm_eps")), rope_theta=theta,
+                         norm_eps=number(config, family, "rms_norm_eps", where), rope_theta=theta,
                          rope_scaling=scaling, max_seq_len=setting(config, family, "max_position_embeddings"),
                          tie_embeddings=bool(setting(config, family, "tie_word_embeddings")), family=family,
                          **family_switches(config, family))
