@@ -179,7 +179,7 @@ ROWWISE = ["--training.float8", "rowwise"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
-SLIDING = ["--model.flavor", "debug_sliding"]
+SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
 EP2 = ["--parallelism.ep", "2"]
 MUON = ["--optimizer.name", "muon"]
 
@@ -282,6 +282,11 @@ LAYOUTS = {
     "pp_sliding": (2, [*SLIDING, *PP2]),
     "cp_sliding": (2, [*SLIDING, *CP2, "--training.micro_batch_size", "2"]),
     "cp_ulysses_sliding": (2, [*SLIDING, *CP2, *ULYSSES, "--training.micro_batch_size", "2"]),
+    # gpt-oss (debug_gpt_oss): sinks, windows, biased experts and router, the clamped SwiGLU, YaRN
+    "single_gpt_oss": (1, [*GPT_OSS, "--training.micro_batch_size", "2"]),
+    "fsdp2_gpt_oss": (2, [*GPT_OSS, *degrees(1, 2)]),
+    "tp_gpt_oss": (2, [*GPT_OSS, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "ep2_gpt_oss": (2, [*GPT_OSS, *EP2]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
     # load-balancing loss is taken over each forward's tokens, so a row's reference forwards the
     # same sequences together: 2 per forward (single_moe) or 1 (single_moe_mb1, the world-4 rows

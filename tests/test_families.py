@@ -49,6 +49,13 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
                                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                           "original_max_position_embeddings": 128})),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # sinks, windows of 8 on every other block, biased attention, experts and router, the clamped
+    # SwiGLU, YaRN
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                     sliding_window=8, rope_parameters={
+                                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                         "beta_slow": 1.0})),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -198,7 +205,8 @@ def test_a_field_left_out_means_the_familys_default(folders, tmp_path, case):
 
 
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB)
-EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4)}
+EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4),
+                "gpt_oss": dict(num_local_experts=4)}
 
 
 @pytest.mark.parametrize("family", ["llama", *CONFIGS])

@@ -193,7 +193,7 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
     gemma = variant("gemma", model_type="gemma2")
     assert one_line(*train, str(gemma)) == (
         f"plait: error: checkpoint.load: {gemma / 'config.json'} holds a model_type 'gemma2' model; plait reads llama, "
-        "mistral, qwen2, qwen3, olmo2, smollm3, qwen3_moe, mixtral")
+        "mistral, qwen2, qwen3, olmo2, smollm3, qwen3_moe, mixtral, gpt_oss")
     # Fields of a family plait reads that change the model in a way plait does not compute (the
     # same ConfigError as above, read in this process: no run each).
     from plait import hf
@@ -205,6 +205,7 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
                           ({"model_type": "qwen2", "num_experts": 8}, "sets num_experts (mixture of experts)"),
                           ({"hidden_act": "gelu"}, "sets hidden_act 'gelu'; allowed: 'silu'"),
                           ({"rms_norm_eps": None}, "sets rms_norm_eps null; allowed: a number"),
+                          ({"quantization_config": {"quant_method": "mxfp4"}}, "holds quantized weights (mxfp4)"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
                            ": RoPE scaling 'yarn' lacks original_max_position_embeddings"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,

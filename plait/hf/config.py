@@ -1,5 +1,5 @@
 """A Hugging Face `config.json` (Llama and its relatives: Mistral, Qwen2/2.5, Qwen3, OLMo 2,
-SmolLM3) <-> plait's ModelArgs.
+SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss) <-> plait's ModelArgs.
 
 Both layouts of the RoPE fields are read: the classic `rope_theta` + `rope_scaling`, and the
 `rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from plait.config import ConfigError
-from plait.hf.defaults import DEFAULTS, setting
+from plait.hf.defaults import DEFAULTS, ROPE_SCALING, setting
 from plait.models.flavors import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
@@ -41,6 +41,8 @@ def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | 
     """(rope_theta, scaling) from either layout; scaling None, or {"rope_type", its fields}."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    if "rope_scaling" not in config and "rope_parameters" not in config:
+        scaling = ROPE_SCALING.get(family, {})
     # rope_parameters' theta first: given both, transformers 5 takes it
     theta = float(params.get("rope_theta") or config.get("rope_theta") or DEFAULTS[family]["rope_theta"])
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -62,13 +64,13 @@ def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | 
 # model_type -> the architecture transformers builds for it. Each is Llama with switches.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
 UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "attention soft-capping",
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
                "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
 def family_switches(config: dict, family: str) -> dict:
@@ -93,6 +95,11 @@ def family_switches(config: dict, family: str) -> dict:
         switches |= {"qk_norm": "projection", "post_norm": True}
     if family == "smollm3":
         switches["nope_layers"] = nope_layers(config, family)
+    if family == "gpt_oss":  # every block sparse, biased experts and router, the clamped SwiGLU, sinks
+        switches |= {"n_experts": config["num_local_experts"], "top_k": setting(config, family, "num_experts_per_tok"),
+                     "moe_hidden": config["intermediate_size"], "expert_bias": True, "router_bias": True,
+                     "swiglu_limit": number(config, family, "swiglu_limit", family),
+                     "swiglu_alpha": number(config, family, "swiglu_alpha", family), "attention_sinks": True}
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
         switches |= {"n_experts": config["num_local_experts"],
                      "top_k": setting(config, family, "num_experts_per_tok"), "moe_hidden": config["intermediate_size"]}
@@ -114,7 +121,7 @@ def window_switches(config: dict, family: str) -> dict:
     in the blocks layer_types names (Qwen's default: from max_window_layers on; SmolLM3's: the
     blocks without RoPE); Qwen3-MoE in every block."""
     window = setting(config, family, "sliding_window")
-    if family not in ("mistral", "mixtral") and not setting(config, family, "use_sliding_window"):
+    if family not in ("mistral", "mixtral", "gpt_oss") and not setting(config, family, "use_sliding_window"):
         window = None
     if not window:
         return {}
@@ -123,6 +130,8 @@ def window_switches(config: dict, family: str) -> dict:
     if types is None and family in ("qwen2", "qwen3"):
         types = ["full_attention" if i < setting(config, family, "max_window_layers") else "sliding_attention"
                  for i in layers]
+    if types is None and family == "gpt_oss":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers]
     if types is None and family == "smollm3":
         types = ["sliding_attention" if i in nope_layers(config, family) else "full_attention" for i in layers]
     full = tuple(i for i in layers if types is not None and types[i] != "sliding_attention")
@@ -148,6 +157,11 @@ def model_args(folder: Path, option: str) -> ModelArgs:
         if config.get(field) and not (family in MOE_FAMILIES and what == "mixture of experts"):
             raise ConfigError(f"{where} sets {field} ({what}), which plait does not compute; allowed: unset, "
                               "null or false")
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ConfigError(f"{where} holds quantized weights ({method}); plait reads them dequantized: with "
+                          "transformers, from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True)) "
+                          "then save_pretrained")
     if setting(config, family, "hidden_act") != "silu":
         raise ConfigError(f"{where} sets hidden_act {config['hidden_act']!r}; allowed: 'silu'")
     theta, scaling = rope_settings(config, family, where)
@@ -172,7 +186,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     special token ids too) with every field plait computes written over them."""
     if args.family not in FAMILIES:
         why = {"plait_moe": "DeepSeek-V3's router and shared experts come with an attention plait does not have",
-               "plait_sinks": "attention sinks come with gpt-oss's experts, which plait does not have"}
+               "plait_sinks": "Qwen3's shape with sinks is no published family's; debug_gpt_oss exports as gpt_oss"}
         raise ConfigError(f"checkpoint: a {args.family} model has no Hugging Face architecture plait writes "
                           f"({why.get(args.family, 'no family has its switches')}); exported families: "
                           f"{', '.join(FAMILIES)}")
@@ -187,8 +201,16 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if args.family != "qwen2":
+    if args.family not in ("qwen2", "gpt_oss"):
         computed |= {"attention_bias": args.qkv_bias, "mlp_bias": args.ffn_bias}
+    if args.family == "gpt_oss":
+        if args.dense_layers or not (args.expert_bias and args.router_bias and args.attention_sinks and args.swiglu_limit
+                                     and args.normalize_top_k and args.qk_norm == "none"):
+            raise ConfigError("checkpoint: a gpt_oss config.json has every block sparse with biased experts and router, "
+                              "the clamped SwiGLU, sinks and no q/k norm; this model differs")
+        computed |= {"attention_bias": args.qkv_bias, "num_local_experts": args.n_experts,
+                     "num_experts_per_tok": args.top_k, "intermediate_size": args.moe_hidden,
+                     "swiglu_limit": args.swiglu_limit, "swiglu_alpha": args.swiglu_alpha}
     if args.family == "smollm3":
         computed["no_rope_layers"] = [int(i not in args.nope_layers) for i in range(args.n_layers)]
     computed |= window_fields(args)
@@ -219,6 +241,8 @@ def window_fields(args: ModelArgs) -> dict:
                               f"full-attention blocks {list(args.full_layers)} among sliding ones (export it as qwen3)")
         fields = {"sliding_window": args.sliding_window or None}
         return fields | ({"use_sliding_window": bool(args.sliding_window)} if args.family == "qwen3_moe" else {})
+    if args.family == "gpt_oss":
+        return {"sliding_window": args.sliding_window or None, "layer_types": types}
     if args.family in ("qwen2", "qwen3", "smollm3"):
         fields = {"use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None,
                   "layer_types": types}

@@ -10,7 +10,8 @@ entry against transformers' classes, so the table cannot drift from them.
 # off). A default of None is derived as transformers derives it: num_key_value_heads =
 # num_attention_heads, head_dim = hidden_size // num_attention_heads, mlp_only_layers = [],
 # no_rope_layers = every no_rope_layer_interval-th block without RoPE, layer_types = sliding from
-# max_window_layers on (Qwen) or in the blocks without RoPE (SmolLM3), with use_sliding_window.
+# max_window_layers on (Qwen) or in the blocks without RoPE (SmolLM3), with use_sliding_window;
+# every other block from the first (gpt-oss).
 # Sizes that no rule derives (hidden_size, intermediate_size, layers, heads, vocabulary, experts)
 # are not here: their default is one published checkpoint's, so a config.json without them is
 # refused by name.
@@ -18,7 +19,8 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "sliding_window",
         "max_window_layers", "layer_types",
         "no_rope_layers", "no_rope_layer_interval", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
-        "norm_topk_prob", "router_jitter_noise", "final_logit_softcapping", "attn_logit_softcapping")
+        "norm_topk_prob", "router_jitter_noise", "final_logit_softcapping", "attn_logit_softcapping", "swiglu_limit",
+        "swiglu_alpha")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -40,10 +42,19 @@ DEFAULTS = {
                          "no_rope_layer_interval": 4},
     "qwen3_moe": COMMON | QWEN | {"num_key_value_heads": 4, "attention_bias": False, "decoder_sparse_step": 1,
                                   "mlp_only_layers": None, "num_experts_per_tok": 8, "norm_topk_prob": False},
+    "gpt_oss": COMMON | {"num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+                         "max_position_embeddings": 131072, "attention_bias": True, "sliding_window": 128,
+                         "layer_types": None, "num_experts_per_tok": 4, "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
 }
+
+
+# The RoPE scaling a family's config class gives a config.json that sets neither rope_scaling nor
+# rope_parameters (gpt-oss: YaRN, 32x an original 4096, untruncated).
+ROPE_SCALING = {"gpt_oss": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}
 
 
 def setting(config: dict, family: str, field: str):

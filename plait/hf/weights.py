@@ -12,6 +12,12 @@ Parameter names (plait -> Hugging Face):
     layers.N.feed_forward.experts.w1/w3/w2  -> model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj.weight
                                                (Mixtral: block_sparse_moe.experts.E.w1/w3/w2.weight),
                                                one [E, ...] tensor <-> E tensors
+    gpt-oss: layers.N.attention.core.sinks  -> model.layers.N.self_attn.sinks
+             layers.N.feed_forward.router.gate.{weight,bias} -> model.layers.N.mlp.router.{weight,bias}
+             layers.N.feed_forward.experts.w1/w3 -> model.layers.N.mlp.experts.gate_up_proj [E, dim, 2 x hidden]
+                                               (transposed; gate and up columns interleaved), w2 -> down_proj
+                                               [E, hidden, dim] (transposed), b1/b3 -> gate_up_proj_bias
+                                               (interleaved), b2 -> down_proj_bias
     layers.N.attention_norm.weight          -> model.layers.N.input_layernorm.weight
                                                (post_norm: post_attention_layernorm.weight)
     layers.N.ffn_norm.weight                -> model.layers.N.post_attention_layernorm.weight
@@ -48,11 +54,14 @@ LAYER_NAMES = {
     "attention.wo": "self_attn.o_proj", "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
     "attention.q_proj_norm": "self_attn.q_norm", "attention.k_proj_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.router.gate": "mlp.gate",
+    "feed_forward.router.gate": "mlp.gate", "attention.core": "self_attn",
 }
 EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
            "feed_forward.experts.w2": "down_proj"}
 MIXTRAL = "block_sparse_moe"  # Mixtral's name for the MoE layer; its experts keep Meta's w1/w2/w3
+# gpt-oss's experts: plait's tensor -> (its tensor, which interleaved half: 0 gate, 1 up; None: whole)
+GPT_OSS_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
+                   "b1": ("gate_up_proj_bias", 0), "b3": ("gate_up_proj_bias", 1), "b2": ("down_proj_bias", None)}
 BLOCK_NORMS = {False: {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
                True: {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"}}
 ROPE_ORDERED = ("wq.weight", "wk.weight", "wq.bias", "wk.bias", "q_norm.weight", "k_norm.weight", "q_proj_norm.weight",
@@ -67,6 +76,8 @@ INDEX = "model.safetensors.index.json"
 def hf_names(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face tensors of a plait parameter: one, or an expert tensor's E slices."""
     index, rest = LAYER.match(name).groups() if name not in TOP_NAMES else (None, "")
+    if args.family == "gpt_oss" and rest.startswith("feed_forward.experts."):
+        return [f"model.layers.{index}.mlp.experts.{GPT_OSS_EXPERTS[rest.rsplit('.', 1)[1]][0]}"]
     if rest in EXPERTS:
         if args.family == "mixtral":
             return [f"model.layers.{index}.{MIXTRAL}.experts.{e}.{rest.rsplit('.', 1)[1]}.weight"
@@ -83,7 +94,34 @@ def hf_name(name: str, args: ModelArgs) -> str:
     hf_module = (LAYER_NAMES | BLOCK_NORMS[args.post_norm])[module]
     if args.family == "mixtral":
         hf_module = hf_module.replace("mlp.", f"{MIXTRAL}.")
+    if args.family == "gpt_oss" and module == "feed_forward.router.gate":
+        hf_module = "mlp.router"
     return f"model.layers.{index}.{hf_module}.{kind}"
+
+
+def gpt_oss_expert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A plait expert tensor (w or b) from gpt-oss's: its half of the interleaved columns, and a
+    weight transposed to plait's [E, out, in]."""
+    _, half = GPT_OSS_EXPERTS[name.rsplit(".", 1)[1]]
+    if half is not None:
+        tensor = tensor[..., half::2]
+    return tensor.transpose(1, 2) if tensor.ndim == 3 else tensor
+
+
+def gpt_oss_merged(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """gpt-oss's tensor for plait's expert tensor `name`: w1 with w3 (b1 with b3) interleaved,
+    weights transposed; None for w3 and b3 (written with w1 and b1)."""
+    kind = name.rsplit(".", 1)[1]
+    if kind in ("w3", "b3"):
+        return None
+
+    def theirs(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.transpose(1, 2) if tensor.ndim == 3 else tensor
+
+    tensor = theirs(state_dict[name])
+    if kind in ("w1", "b1"):  # gate and up columns interleaved
+        tensor = torch.stack([tensor, theirs(state_dict[name[:-1] + "3"])], dim=-1).flatten(-2)
+    return tensor
 
 
 def to_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -104,6 +142,11 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
     the folders transformers writes.)"""
     tensors = {}
     for name, tensor in state_dict.items():
+        if args.family == "gpt_oss" and ".experts." in name:
+            merged = gpt_oss_merged(state_dict, name)
+            if merged is not None:
+                tensors[hf_names(name, args)[0]] = merged.to(dtype).contiguous()
+            continue
         if name.endswith(ROPE_ORDERED):
             tensor = to_hf_rope_order(tensor, args.head_dim)
         names = hf_names(name, args)
@@ -186,6 +229,8 @@ class HFWeights(Mapping):
             with safe_open(str(self.files[hf]), "pt") as weights:
                 pieces.append(weights.get_tensor(hf).float())
         tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
+        if self.args.family == "gpt_oss" and ".experts." in name:
+            tensor = gpt_oss_expert(name, tensor).contiguous()
         if name.endswith(ROPE_ORDERED):
             tensor = from_hf_rope_order(tensor, self.args.head_dim)
         return tensor

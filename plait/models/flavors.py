@@ -54,6 +54,13 @@ class ModelArgs:
     normalize_top_k: bool = True
     route_scale: float = 1.0
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss's experts: a bias on each expert's projections and on the router's logits, and the
+    # clamped SwiGLU (swiglu_limit > 0): gate clamped above and up on both sides at the limit,
+    # then gate * sigmoid(swiglu_alpha * gate) * (up + 1).
+    expert_bias: bool = False
+    router_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         # (a manifest's JSON gives a list back)
@@ -90,6 +97,8 @@ class ModelArgs:
         return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(self).values()))
 
 
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False}
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -145,6 +154,25 @@ FLAVORS = {
     "qwen3_235b_a22b": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, vocab_size=151936, head_dim=128,
                                  ffn_hidden=12288, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
                                  qk_norm="head", n_experts=128, top_k=8, moe_hidden=1536, family="qwen3_moe"),
+    # gpt-oss: alternating local (128-key windows) and global blocks with attention sinks, biased
+    # attention and experts, the clamped SwiGLU, YaRN over an original context of 4096. The CPU
+    # test size keeps every switch (windows of 8, YaRN over 32 positions).
+    "debug_gpt_oss": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, head_dim=32, ffn_hidden=64,
+                               norm_eps=1e-5, rope_theta=150000.0, qkv_bias=True, out_bias=True, sliding_window=8,
+                               full_layers=(1,), attention_sinks=True, n_experts=8, top_k=2, moe_hidden=64,
+                               expert_bias=True, router_bias=True, swiglu_limit=7.0, family="gpt_oss",
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                             "beta_fast": 32.0, "beta_slow": 1.0}),
+    "gpt_oss_20b": ModelArgs(dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, vocab_size=201088, head_dim=64,
+                             ffn_hidden=2880, norm_eps=1e-5, rope_theta=150000.0, max_seq_len=131072, qkv_bias=True,
+                             out_bias=True, sliding_window=128, full_layers=tuple(range(1, 24, 2)),
+                             attention_sinks=True, n_experts=32, top_k=4, moe_hidden=2880, expert_bias=True,
+                             router_bias=True, swiglu_limit=7.0, family="gpt_oss", rope_scaling=GPT_OSS_YARN),
+    "gpt_oss_120b": ModelArgs(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, vocab_size=201088, head_dim=64,
+                              ffn_hidden=2880, norm_eps=1e-5, rope_theta=150000.0, max_seq_len=131072, qkv_bias=True,
+                              out_bias=True, sliding_window=128, full_layers=tuple(range(1, 36, 2)),
+                              attention_sinks=True, n_experts=128, top_k=4, moe_hidden=2880, expert_bias=True,
+                              router_bias=True, swiglu_limit=7.0, family="gpt_oss", rope_scaling=GPT_OSS_YARN),
     "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                            multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
     "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,

@@ -11,7 +11,7 @@ token, the experts run as grouped matmuls, and their outputs come back weighted.
 - Dropless: every token reaches its k experts (no capacity factor), so routing never depends on
   how tokens are split over ranks.
 - Experts: E SwiGLUs stored as [E, ...] tensors, run by `torch._grouped_mm` over the tokens
-  sorted by expert, in the compute dtype.
+  sorted by expert, in the compute dtype (gpt-oss's: with biases, and the clamped SwiGLU).
 - Auxiliary load-balancing loss (Switch Transformer's E * sum_e f_e * P_e): added to the
   gradient in backward without touching the loss the model returns, so every schedule
   (accumulation, pipelines) carries it as it carries the loss (the trainer sets its scale).
@@ -29,10 +29,11 @@ from torch import nn
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int, kind: str, normalize: bool, scale: float):
+    def __init__(self, dim: int, n_experts: int, top_k: int, kind: str, normalize: bool, scale: float,
+                 gate_bias: bool = False):
         super().__init__()
         self.top_k, self.kind, self.normalize, self.scale = top_k, kind, normalize, scale
-        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.gate = nn.Linear(dim, n_experts, bias=gate_bias)  # (a trained bias on the logits: gpt-oss)
         # sigmoid: added to the scores to choose experts only; moved after each step towards balance
         # (plait/expert_load.py). A buffer: saved with the model, not trained.
         self.register_buffer("bias", torch.zeros(n_experts) if kind == "sigmoid" else None)
@@ -40,7 +41,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [tokens, dim] -> (scores [tokens, E], chosen experts [tokens, k], their weights [tokens, k]), fp32."""
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), self.gate.weight.float(), None if self.gate.bias is None else
+                              self.gate.bias.float())
         scores = logits.softmax(-1) if self.kind == "softmax" else logits.sigmoid()
         choosing = scores if self.bias is None else scores + self.bias
         experts = choosing.sort(dim=-1, descending=True, stable=True).indices[:, :self.top_k]
@@ -50,31 +52,59 @@ class Router(nn.Module):
         return scores, experts, weights * self.scale
 
 
+EXPERT_BIASES = ("experts.b1", "experts.b2", "experts.b3")  # [E, n]: biases, though 2-D
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """SwiGLU's product: silu(gate) * up, or with a `limit` gpt-oss's clamped form."""
+    if not limit:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor) -> torch.Tensor:
+                   w3: torch.Tensor, biases: tuple[torch.Tensor, ...] = (), limit: float = 0.0,
+                   alpha: float = 1.702) -> torch.Tensor:
     """Each expert's SwiGLU on its rows of x [tokens sorted by expert, dim]: `counts` [E] rows per
-    expert, weights [E, hidden, dim] (w1, w3) and [E, dim, hidden] (w2), local tensors.
+    expert, weights [E, hidden, dim] (w1, w3) and [E, dim, hidden] (w2), local tensors; with
+    `biases` (b1, b2, b3: [E, hidden], [E, dim], [E, hidden]) each row adds its expert's.
     Runs in x's dtype, or autocast's where it is on (grouped matmuls are not on autocast's lists)."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    b1, b2, b3 = (b.to(dtype) for b in biases) if biases else (None, None, None)
     offsets = counts.cumsum(0, dtype=torch.int32)
     if dtype != torch.bfloat16 and (x.is_cuda or torch.compiler.is_compiling()):
         # CUDA's grouped kernel is bf16-only, and so is the shape function the compiler traces with
-        return torch.cat([F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b)
-                          for rows, a, b, c in zip(x.split(counts.tolist()), w1, w2, w3)])
-    hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offsets)) * torch._grouped_mm(x, w3.transpose(-2, -1), offsets)
-    return torch._grouped_mm(hidden, w2.transpose(-2, -1), offsets)
+        pieces = x.split(counts.tolist())
+        return torch.cat([F.linear(gated(F.linear(rows, w1[e], None if b1 is None else b1[e]),
+                                         F.linear(rows, w3[e], None if b3 is None else b3[e]), limit, alpha),
+                                   w2[e], None if b2 is None else b2[e]) for e, rows in enumerate(pieces)])
+    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts) if biases else None
+
+    def grouped(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offsets)
+        return out if b is None else out + b[row_expert]
+
+    return grouped(gated(grouped(x, w1, b1), grouped(x, w3, b3), limit, alpha), w2, b2)
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, hidden: int, n_experts: int):
+    def __init__(self, dim: int, hidden: int, n_experts: int, bias: bool = False, limit: float = 0.0,
+                 alpha: float = 1.702):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
+        if bias:  # (gpt-oss)
+            self.b1, self.b2, self.b3 = (nn.Parameter(torch.empty(n_experts, n)) for n in (hidden, dim, hidden))
+        self.limit, self.alpha = limit, alpha
+
+    def biases(self) -> tuple[torch.Tensor, ...]:
+        return (self.b1, self.b2, self.b3) if hasattr(self, "b1") else ()
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return swiglu_experts(x, counts, self.w1, self.w2, self.w3)
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3, self.biases(), self.limit, self.alpha)
 
 
 class AuxLoss(torch.autograd.Function):
@@ -101,8 +131,10 @@ class MoE(nn.Module):
     def __init__(self, dim: int, args):
         super().__init__()
         self.n_experts = args.n_experts
-        self.router = Router(dim, args.n_experts, args.top_k, args.router, args.normalize_top_k, args.route_scale)
-        self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts)
+        self.router = Router(dim, args.n_experts, args.top_k, args.router, args.normalize_top_k, args.route_scale,
+                             args.router_bias)
+        self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts, args.expert_bias, args.swiglu_limit,
+                                      args.swiglu_alpha)
         self.shared = SharedExperts(dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None
         self.aux_scale = 0.0  # set by the trainer: coefficient / (MoE layers x micro-batches)
         # How the ranks that each hold part of the same sequences sum a tensor (context parallelism

@@ -18,7 +18,7 @@ from torch import nn
 from plait.models.attention import Attention, KVCache
 from plait.models.flavors import ModelArgs
 from plait.models.mlp import FeedForward
-from plait.models.moe import MoE, moe_layers
+from plait.models.moe import EXPERT_BIASES, MoE, moe_layers
 from plait.models.norms import RMSNorm
 from plait.models.rope import rope_table
 
@@ -102,7 +102,8 @@ class Transformer(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith((".bias", ".sinks")):  # (sinks from 0: at first a sink takes what one zero score would)
+        # (sinks from 0: at first a sink takes what one zero score would; experts' biases are b1, b2, b3)
+        if name.endswith((".bias", ".sinks", *EXPERT_BIASES)):
             return 0.0
         if name == "tok_embeddings.weight":  # tied, it is the output layer's too: that scale
             return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0

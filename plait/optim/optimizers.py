@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from plait.config import ConfigError, JobConfig
+from plait.models.moe import EXPERT_BIASES
 
 # Keller Jordan's quintic iteration: drives every singular value towards ~1 in 5 steps.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -47,9 +48,15 @@ def muon_scale(shape: torch.Size) -> float:
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
+def is_matrix(name: str, param: nn.Parameter) -> bool:
+    """A weight of a matmul (2-D, or an experts' [E, rows, columns] stack), not a bias or norm
+    (the experts' biases are [E, n] stacks of vectors)."""
+    return param.ndim >= 2 and not name.endswith(EXPERT_BIASES)
+
+
 def uses_muon(name: str, param: nn.Parameter) -> bool:
     """A block's matrix but a router's (classic DDP's wrapper prefixes the names with `module.`)."""
-    return name.removeprefix("module.").startswith("layers.") and param.ndim >= 2 and ".router." not in name
+    return name.removeprefix("module.").startswith("layers.") and is_matrix(name, param) and ".router." not in name
 
 
 def check_optimizer(cfg: JobConfig) -> None:
@@ -68,8 +75,8 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     named = list(model.named_parameters())
     muon = [p for n, p in named if o.name == "muon" and uses_muon(n, p)]
     chosen = {id(p) for p in muon}
-    decay = [p for _, p in named if p.ndim >= 2 and id(p) not in chosen]
-    no_decay = [p for _, p in named if p.ndim < 2]
+    decay = [p for n, p in named if is_matrix(n, p) and id(p) not in chosen]
+    no_decay = [p for n, p in named if not is_matrix(n, p)]
     params = [muon, decay, no_decay] if o.name == "muon" else [decay, no_decay]
     groups = [{"params": p, **options} for p, options in zip(params, group_options(cfg))]
     if o.name == "adamw":

@@ -96,8 +96,9 @@ class DispatchedExperts:
         # Arrived grouped by sender, then expert; the experts want them grouped by expert, then
         # sender: each expert's tokens in the order the ranks hold them, as on one device.
         order = regroup(received)
-        weights = (ScaleGradient.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3))
-        out = swiglu_experts(tokens[order], received.sum(0), *weights)
+        local = [ScaleGradient.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3,
+                                                                     *experts.biases())]
+        out = swiglu_experts(tokens[order], received.sum(0), *local[:3], tuple(local[3:]), experts.limit, experts.alpha)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_single_autograd(out[back], send, receive, self.group)

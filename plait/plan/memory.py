@@ -136,7 +136,7 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
     for name, shape in unit.items():
         rows, cols = local_rows_cols(name, shape, layout)
         degree = layout.shard
-        if layout.ep > 1 and len(shape) == 3:  # experts (E, out, in): E / ep here, sharded over dp_shard x cp / ep
+        if layout.ep > 1 and ".experts." in name:  # experts (E, ...): E / ep here, sharded over dp_shard x cp / ep
             rows, degree = rows // layout.ep, max(1, layout.shard // layout.ep)
         total += math.ceil(rows / degree) * degree * cols
     return total

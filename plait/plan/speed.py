@@ -63,8 +63,8 @@ def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: in
     calls = []
     layout = Layout(1, 1, 1, tp, 1)
     for name, shape in parameter_shapes(args).items():
-        if not name.startswith(f"layers.{block}.") or len(shape) < 2:
-            continue  # norms and biases are element-wise
+        if not name.startswith(f"layers.{block}.") or len(shape) < 2 or ".experts.b" in name:
+            continue  # norms and biases (the experts' too) are element-wise
         if len(shape) == 3:  # experts (E, out, in): each token's top_k copies, spread evenly
             calls += [2.0 * tokens * args.top_k / shape[0] * shape[1] * shape[2]] * shape[0]
         else:
