@@ -287,6 +287,8 @@ LAYOUTS = {
     "fsdp2_gpt_oss": (2, [*GPT_OSS, *degrees(1, 2)]),
     "tp_gpt_oss": (2, [*GPT_OSS, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "ep2_gpt_oss": (2, [*GPT_OSS, *EP2]),
+    "pp_gpt_oss": (2, [*GPT_OSS, *PP2]),
+    "cp_gpt_oss": (2, [*GPT_OSS, *CP2, "--training.micro_batch_size", "2"]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
     # load-balancing loss is taken over each forward's tokens, so a row's reference forwards the
     # same sequences together: 2 per forward (single_moe) or 1 (single_moe_mb1, the world-4 rows
