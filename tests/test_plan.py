@@ -45,9 +45,9 @@ PARTLY = {
     # rank receives, keeps and sends back depends on the routing; under TP the layer runs whole on
     # the gathered sequence, which plan does not model yet.
     **{name: {"state"} for name in LAYOUTS if "moe" in name and not name.startswith("single")},
-    # gpt-oss's experts as the others', and on one device their collectives too: plan does not yet
-    # model what the experts' biases and the clamped SwiGLU keep for backward.
-    **{name: {"state"} if not name.startswith("single") else {"state", "comm"} for name in LAYOUTS if "gpt_oss" in name},
+    # gpt-oss's experts as the others' (on one device predicted in full: the clamped SwiGLU's
+    # saved tensors and the biases' row indices included).
+    **{name: {"state"} for name in LAYOUTS if "gpt_oss" in name and not name.startswith("single")},
 }
 # Muon's rows as their AdamW layout's, less the step's collectives (its matrices' all-to-alls, or
 # gathers), which plan does not count yet.

@@ -195,7 +195,8 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
     (tokens per expert, int64, and the auxiliary loss). full: nothing more. selective: the matmul
     outputs (the router's fp32 logits; w1, w3 and w2's grouped outputs). none, over the R = k x
     tokens rows: each row's input, the grouped w2 output and its weighted copy (3 x dim), the
-    SwiGLU's four hidden tensors, their row and token indices (int64) and weights; the router's
+    SwiGLU's four hidden tensors (seven clamped: gpt-oss), their row and token indices (int64; with
+    experts' biases also each row's expert) and weights; the router's
     fp32 scores and its sort's int64 indices, the top-k weights and their sum; in bf16 the
     router's fp32 copies of its input and weight, where the input itself (the norm's output,
     which the norms' count holds) is then kept by nobody unless shared experts read it."""
@@ -209,7 +210,10 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
     shared = args.moe_hidden * args.n_shared_experts
     router = tokens * n * 12 + args.normalize_top_k * tokens * (k + 1) * 4 + n * 4 * softmax
     casts = tokens * d * 4 + n * d * 4 - tokens * d * e * (not shared) if e != 4 else 0
-    return record + rows * ((3 * d + 4 * h) * e + 16 + e) + router + n * 4 + casts + 4 * tokens * shared * e
+    hidden = 7 if args.swiglu_limit else 4  # the clamped SwiGLU: both clamps' inputs, and gate, sigmoid, glu, up + 1
+    row_experts = 8 * rows if args.expert_bias else 0  # which expert's bias each row adds (int64)
+    return record + rows * ((3 * d + hidden * h) * e + 16 + e) + row_experts + router + n * 4 + casts + \
+        4 * tokens * shared * e
 
 
 def ulysses_kv_heads(kv: int, n: int) -> int:
