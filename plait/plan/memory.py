@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.config import JobConfig
-from plait.models.attention import QUERY_BLOCK
+from plait.models.attention import QUERY_BLOCK, query_block
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.optim.optimizers import uses_muon
@@ -308,6 +308,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
     window = max(args.window(block) for block in range(args.n_layers))
-    keys = t.seq_len if masked(cfg, args.attention_sinks) else min(t.seq_len, window + QUERY_BLOCK - 1) if window else 0
-    mask = tokens // t.seq_len * min(QUERY_BLOCK, queries) * keys * (e + 1)
+    full = masked(cfg, args.attention_sinks)  # some block masked over the whole sequence
+    keys = t.seq_len if full else min(t.seq_len, window + query_block(window) - 1) if window else 0
+    mask = tokens // t.seq_len * min(QUERY_BLOCK if full else query_block(window), queries) * keys * (e + 1)
     return gathered + logits + mask

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from plait.config import JobConfig
-from plait.models.attention import QUERY_BLOCK
+from plait.models.attention import query_block
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
@@ -79,7 +79,7 @@ def attention_matmuls(args: ModelArgs, tokens: int, seq_len: int, tp: int, causa
     of it under a causal mask the kernel skips (no mask tensor); under a sliding window each
     query block meets its window's keys and its own (masked: computed whole)."""
     sequences = max(1, tokens // seq_len)
-    keys = min(seq_len, window + QUERY_BLOCK - 1) if window else seq_len
+    keys = min(seq_len, window + query_block(window) - 1) if window else seq_len
     one = 2.0 * tokens / sequences * keys * args.head_dim * (0.5 if causal and not window else 1.0)
     return [one] * (2 * args.n_heads // tp * sequences)
 
