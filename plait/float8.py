@@ -154,6 +154,15 @@ def _recipe(recipe: str, all_gather: bool):
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=True) if all_gather else config
 
 
+def precompute_scales(model: nn.Module, cfg: JobConfig) -> None:
+    """Under float8 all-gather, every converted weight's scale for the gathers to come, from its
+    fp32 shards in one all-reduce (torchao's precompute): without it each gather all-reduces its
+    own weight's amax first (`small`, FSDP2: 198 collectives a step, now 38; 37 without float8). Run
+    after each optimizer step (the weights' only change) and once before the first."""
+    if fsdp_all_gather(cfg):
+        _torchao_float8().fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def convert(model: nn.Module, cfg: JobConfig) -> None:
     """Swap the eligible linear layers of `model` (on the meta device, before any other plan) for
     torchao's Float8Linear, whose weights stay fp32 parameters under the same names."""

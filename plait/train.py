@@ -276,6 +276,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     preemption = Preemption(device)
+    float8.precompute_scales(model, cfg)  # (the first step's gathers; each step's after its update)
     startup_s, finished = time.perf_counter() - started, False
     if rank == 0:
         print(f"plait: start-up {startup_s:.1f} s (imports, data, model{', checkpoint' * bool(done)}): "
@@ -302,6 +303,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 with contexts.optimizer():
                     checkpointer.wait_for_staging()
                     optimizer.step()
+                    float8.precompute_scales(model, cfg)
                     if state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
                         state_gib = state_memory_gib(model, optimizer)
                     optimizer.zero_grad(set_to_none=True)

@@ -121,13 +121,14 @@ PIPELINES = ("pp", "pp_gpipe", "pp_interleaved_1f1b", "pp_interleaved_zb", "pp_z
 # bf16 rows of pipelines: one per mechanism (schedule kinds, + data, + tensor parallelism); the
 # other schedules' bf16 runs would repeat what these show at the price of emulated bf16 on AVX2.
 PIPELINES_BF16 = {"pp": BITWISE, "pp_zbv": BF16_REORDERED, "pp_fsdp2": BF16_REORDERED, "pp_tp": BF16_REORDERED}
-# Float8 rows: every float8 scale is taken over the same values as on one device (FSDP2
-# all-reduces each shard's amax before its float8 all-gather; TP's DTensors reduce a sharded
-# tensor's amax), so data parallelism (classic DDP too) and pipelines are bitwise in fp32,
-# rowwise too. TP reorders fp32 sums, and a last-bit change in an activation can move it across
-# a float8 rounding boundary (3 mantissa bits: 16x coarser than bf16): measured 2.9e-5 (TP2),
-# 7.3e-5 (TP2 rowwise), 1.7e-4 (FSDP2+TP2). In bf16 FSDP2 casts each fp32 shard straight to
-# float8 where the single device casts its bf16 copy of the weight (param mode) to float8: two
+# Float8 rows: every float8 scale is taken over the same values as on one device (FSDP2's
+# float8 all-gather uses scales from every shard's amax, all-reduced once after each optimizer
+# step; TP's DTensors reduce a sharded tensor's amax), so data parallelism (classic DDP too) and
+# pipelines are bitwise in fp32, rowwise too. TP reorders fp32 sums, and a last-bit change in an
+# activation can move it across a float8 rounding boundary (3 mantissa bits: 16x coarser than
+# bf16): measured 2.9e-5 (TP2), 7.3e-5 (TP2 rowwise), 2.9e-5 (FSDP2+TP2; 1.7e-4 while each
+# gather all-reduced its own amax). In bf16 FSDP2 casts each fp32 shard straight to float8
+# where the single device casts its bf16 copy of the weight (param mode) to float8: two
 # roundings instead of one, measured 3.6e-4. Bound: BF16_REORDERED's 1e-3 for both (the same
 # mechanism, a low-precision rounding flipped), at least 2.8x the worst. (Float8 against no
 # float8 is 1.7e-4 on one device, below that bound: the dtype probe, not parity, proves that

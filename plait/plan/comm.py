@@ -44,13 +44,14 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     blocks = [u for u in grouped if u != "root"]
     if layout.shard > 1:
         sizes = {u: gathered_elements(grouped[u], layout) for u in grouped}
-        # Under float8 all-gather the converted weights travel as one byte per element, each
-        # after an all-reduce of its shard's amax (one fp32 scalar): the whole tensor's scale.
+        # Under float8 all-gather the converted weights travel as one byte per element, with
+        # scales computed after each optimizer step: one all-reduce of every weight's amax (an
+        # fp32 scalar each) for the step's gathers.
         eight = {f"{name}.weight" for name, why in float8.layer_plan(args, p.tp).items() if not why} \
             if float8.fsdp_all_gather(cfg) else set()
         gathered = {u: sum(gathered_elements({n: s}, layout) * (1 if n in eight else gather) for n, s in unit.items())
                     for u, unit in grouped.items()}
-        scales = {u: 4 * len(eight & set(unit)) for u, unit in grouped.items()}
+        out["optimizer", "all_reduce", "dp_shard"] += 4 * len(eight & set(params))
         # Every micro-batch gathers every unit in forward and, for blocks resharded after forward
         # (all but the last), again in backward; a pipeline stage keeps its units gathered for
         # the whole step: one gather each. Gradients are reduce-scattered once, after the last
@@ -59,8 +60,6 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         times = passes if stages is None else 1
         out["forward", "all_gather", "dp_shard"] += times * sum(gathered.values())
         out["backward", "all_gather", "dp_shard"] += times * sum(gathered[u] for u in again)
-        out["forward", "all_reduce", "dp_shard"] += times * sum(scales.values())
-        out["backward", "all_reduce", "dp_shard"] += times * sum(scales[u] for u in again)
         out["backward", "reduce_scatter", "dp_shard"] += reduce * sum(sizes.values())
     if p.dp_replicate > 1:  # the shard's gradients, all-reduced over the replicas
         out["backward", "all_reduce", "dp_replicate"] += reduce * sum(
