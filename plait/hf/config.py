@@ -119,7 +119,8 @@ def window_switches(config: dict, family: str) -> dict:
     """sliding_window and full_layers as transformers reads them: Mistral and Mixtral slide in
     every block whenever sliding_window is set; Qwen and SmolLM3 only with use_sliding_window,
     in the blocks layer_types names (Qwen's default: from max_window_layers on; SmolLM3's: the
-    blocks without RoPE); Qwen3-MoE in every block."""
+    blocks without RoPE); Qwen3-MoE in every block; gpt-oss in the blocks layer_types names
+    (default: every other block from the first)."""
     window = setting(config, family, "sliding_window")
     if family not in ("mistral", "mixtral", "gpt_oss") and not setting(config, family, "use_sliding_window"):
         window = None

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+EXPERT_BIASES = ("experts.b1", "experts.b2", "experts.b3")  # gpt-oss's [E, n]: biases, though 2-D
+
 
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, top_k: int, kind: str, normalize: bool, scale: float,
@@ -50,9 +52,6 @@ class Router(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return scores, experts, weights * self.scale
-
-
-EXPERT_BIASES = ("experts.b1", "experts.b2", "experts.b3")  # [E, n]: biases, though 2-D
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
