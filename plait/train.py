@@ -217,7 +217,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     cp = cfg.parallelism.cp
     layout = BatchLayout(cfg.model.attention_mask, attention_kernel(cfg), eos_id(corpus.tokenizer),
                          mesh["cp"].get_local_rank(), cp, cfg.parallelism.cp_kind == "ulysses",
-                         tuple(sorted({args.window(block) for block in range(args.n_layers)})))
+                         args.windows)
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
     loader = BatchLoader(corpus.sources, corpus.weights, *shape, t.seed)
     evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None,

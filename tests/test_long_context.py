@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.models.masking import additive, allowed, block_mask, document_ids, positions_in_documents
+from plait.models.masking import additive, allowed, document_ids, positions_in_documents
 from plait.models.flavors import FLAVORS
 from plait.models.transformer import Transformer
 from plait.parallel.context_parallel import BatchLayout, chunk_indices, sequence_order
@@ -84,9 +84,8 @@ def test_flex_attention_forward_equals_sdpa_under_the_document_mask(flavor):
             if name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
     tokens = packed([30, 50, 47], torch.Generator().manual_seed(3))[:, :128]
-    windows = tuple(sorted({model.args.window(block) for block in range(model.args.n_layers)}))
-    _, _, sdpa_kwargs = BatchLayout("document", "sdpa", EOS, 0, 1, windows=windows)(tokens, tokens)
-    _, _, flex_kwargs = BatchLayout("document", "flex", EOS, 0, 1, windows=windows)(tokens, tokens)
+    _, _, sdpa_kwargs = BatchLayout("document", "sdpa", EOS, 0, 1, windows=model.args.windows)(tokens, tokens)
+    _, _, flex_kwargs = BatchLayout("document", "flex", EOS, 0, 1, windows=model.args.windows)(tokens, tokens)
     assert isinstance(flex_kwargs["mask"], dict) == (flavor == "debug_sliding")
     with torch.no_grad():
         sdpa, flex = model(tokens, **sdpa_kwargs), model(tokens, **flex_kwargs)

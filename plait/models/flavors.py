@@ -84,6 +84,11 @@ class ModelArgs:
         """Block `block`'s attention window (0: the whole sequence)."""
         return 0 if block in self.full_layers else self.sliding_window
 
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct windows of the blocks, ascending (0: a block over the whole sequence)."""
+        return tuple(sorted({self.window(block) for block in range(self.n_layers)}))
+
     def own_mask(self, block: int) -> bool:
         """Whether block `block` attends under a mask even where the sequence is causal alone
         (a window, or sinks: SDPA's causal path has neither)."""

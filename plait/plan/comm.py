@@ -65,7 +65,8 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         out["backward", "all_reduce", "dp_replicate"] += reduce * sum(
             math.ceil(rows / layout.shard) * cols for rows, cols in (local_rows_cols(n, s, layout) for n, s in params.items()))
     ac = cfg.activation_checkpoint
-    recomputed = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & block_indices(blocks))
+    checkpointed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
+    recomputed = len(checkpointed & block_indices(blocks))
     n = ulysses_degree(cfg)
     if n > 1:
         # Per micro-batch every block sends q, k and v (k and v repeated up to a multiple of n)
@@ -83,7 +84,6 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # input, the same size); a checkpointed block gathers again. Under all-gather, a sliding
         # window no longer than a chunk gathers only the window - 1 keys before each chunk.
         per_key = passes * 2 * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * args.head_dim * e
-        checkpointed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
         for block in block_indices(blocks):
             keys = p.cp * window_tail_keys(args, cfg, block, tokens) or tokens * p.cp  # every rank's tails, or all
             out["forward", "all_gather", "cp"] += keys * per_key

@@ -307,7 +307,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * sum(sizes.values()) if e != 4 else 0
     logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
-    window = max(args.window(block) for block in range(args.n_layers))
+    window = args.windows[-1]  # the widest
     full = masked(cfg, args.attention_sinks)  # some block masked over the whole sequence
     keys = t.seq_len if full else min(t.seq_len, window + query_block(window) - 1) if window else 0
     mask = tokens // t.seq_len * min(QUERY_BLOCK if full else query_block(window), queries) * keys * (e + 1)

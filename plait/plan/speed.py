@@ -70,17 +70,18 @@ def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: in
         else:
             rows, cols = local_rows_cols(name, shape, layout)
             calls.append(2.0 * tokens * rows * cols)
-    return calls + attention_matmuls(args, tokens, seq_len, tp, causal and not args.own_mask(block), args.window(block))
+    return calls + attention_matmuls(args, block, tokens, seq_len, tp, causal)
 
 
-def attention_matmuls(args: ModelArgs, tokens: int, seq_len: int, tp: int, causal: bool, window: int = 0
-                      ) -> list[float]:
+def attention_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
     """Scores and values per head and sequence: 2 x queries x keys x head_dim FLOPs each, half
-    of it under a causal mask the kernel skips (no mask tensor); under a sliding window each
-    query block meets its window's keys and its own (masked: computed whole)."""
-    sequences = max(1, tokens // seq_len)
+    of it under a causal mask the kernel skips (no mask tensor: not for a block with a mask of
+    its own); under a sliding window each query block meets its window's keys and its own
+    (masked: computed whole)."""
+    sequences, window = max(1, tokens // seq_len), args.window(block)
     keys = min(seq_len, window + query_block(window) - 1) if window else seq_len
-    one = 2.0 * tokens / sequences * keys * args.head_dim * (0.5 if causal and not window else 1.0)
+    half = causal and not args.own_mask(block)
+    one = 2.0 * tokens / sequences * keys * args.head_dim * (0.5 if half else 1.0)
     return [one] * (2 * args.n_heads // tp * sequences)
 
 
@@ -96,8 +97,7 @@ def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int
                   for flops in block_matmuls(args, block, tokens, seq_len, tp, causal))
     if is_masked:
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
-                       for flops in attention_matmuls(args, tokens, seq_len, tp, causal and not args.own_mask(block),
-                                                      args.window(block)))
+                       for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal))
     saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split)
     elementwise = ELEMENTWISE_PASSES * (1 + recompute / 3) * saved / cal.elementwise_rate(dtype, tokens * args.dim * e,
                                                                                           cores)
