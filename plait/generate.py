@@ -62,7 +62,7 @@ def load(folder: Path) -> tuple[Transformer, Tokenizer]:
         args = hf.model_args(folder, "checkpoint")
         weights = hf.HFWeights(folder, args, "checkpoint")
         model = Transformer(args)
-        fill_weights(model, lambda name, shape: weights[name])
+        fill_weights(model, lambda name, shape: weights[name], weights.buffers)
     else:
         manifest = read_manifest(folder)
         if manifest is None:

@@ -56,6 +56,14 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
                                          "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 128, "beta_fast": 32.0,
                                          "beta_slow": 1.0})),
+    # latent attention (a low-rank query, a value head unlike the query's), 8 experts in 4 groups of
+    # which 2 are chosen, a shared expert, block 0 dense, YaRN with unequal mscales
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=48,
+        first_k_dense_replace=1, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707})),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -72,6 +80,9 @@ def make_hf_model(family: str):
                 p.normal_(0, 0.5)
             elif "norm" in n:
                 p.uniform_(0.5, 1.5)
+        for n, b in model.named_buffers():  # (DeepSeek-V3's router balancing biases steer the choice)
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model
 
 
@@ -134,7 +145,7 @@ def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, f
 
     source = folders(family)
     model, weights = plait_model(source)
-    write_weights(dict(weights.items()), model.args, tmp_path, torch.float32, 1 << 30)
+    write_weights(dict(weights.items()) | weights.buffers, model.args, tmp_path, torch.float32, 1 << 30)
     before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     # Written from plait's model alone (no source config), config.json builds transformers' model of the
@@ -206,7 +217,7 @@ def test_a_field_left_out_means_the_familys_default(folders, tmp_path, case):
 
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB)
 EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4),
-                "gpt_oss": dict(num_local_experts=4)}
+                "gpt_oss": dict(num_local_experts=4), "deepseek_v3": dict(n_routed_experts=4, moe_intermediate_size=48)}
 
 
 @pytest.mark.parametrize("family", ["llama", *CONFIGS])

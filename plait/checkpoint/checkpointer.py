@@ -135,7 +135,7 @@ class Checkpointer:
         if not resume:
             if manifest is None:  # a Hugging Face folder
                 state = hf.HFWeights(folder, self.args, "checkpoint.load")
-                fill_weights(getattr(self.model, "module", self.model), lambda name, shape: state[name])
+                fill_weights(getattr(self.model, "module", self.model), lambda name, shape: state[name], state.buffers)
             else:
                 self._load(folder, manifest, with_optimizer=False, option="checkpoint.load")
             return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from plait.config import ConfigError
+from plait.hf.deepseek import deepseek_fields, deepseek_switches
 from plait.hf.defaults import DEFAULTS, ROPE_SCALING, setting
 from plait.models.flavors import ModelArgs
 
@@ -64,16 +65,19 @@ def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | 
 # model_type -> the architecture transformers builds for it. Each is Llama with switches.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}
+# model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
+ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
 UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "attention soft-capping",
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
                "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
-def family_switches(config: dict, family: str) -> dict:
+def family_switches(config: dict, family: str, where: str) -> dict:
     """The ModelArgs switches a family's config.json sets."""
     attention_bias = bool(setting(config, family, "attention_bias"))
     switches = {"qkv_bias": attention_bias, "out_bias": attention_bias,
@@ -100,6 +104,8 @@ def family_switches(config: dict, family: str) -> dict:
                      "moe_hidden": config["intermediate_size"], "expert_bias": True, "router_bias": True,
                      "swiglu_limit": number(config, family, "swiglu_limit", family),
                      "swiglu_alpha": number(config, family, "swiglu_alpha", family), "attention_sinks": True}
+    if family == "deepseek_v3":
+        switches |= deepseek_switches(config, family, where)
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
         switches |= {"n_experts": config["num_local_experts"],
                      "top_k": setting(config, family, "num_experts_per_tok"), "moe_hidden": config["intermediate_size"]}
@@ -150,7 +156,7 @@ def number(config: dict, family: str, field: str, where: str) -> float:
 def model_args(folder: Path, option: str) -> ModelArgs:
     """The model a Hugging Face folder holds, from its config.json."""
     config, where = read_config(folder, option), f"{option}: {folder / 'config.json'}"
-    family = config.get("model_type")
+    family = ALIASES.get(config.get("model_type"), config.get("model_type"))
     if family not in FAMILIES:
         raise ConfigError(f"{where} holds a model_type {family!r} model; plait reads {', '.join(FAMILIES)}")
     # (left out, each is unset in every family: the defaults table has those that are not expert counts)
@@ -175,7 +181,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                          norm_eps=number(config, family, "rms_norm_eps", where), rope_theta=theta,
                          rope_scaling=scaling, max_seq_len=setting(config, family, "max_position_embeddings"),
                          tie_embeddings=bool(setting(config, family, "tie_word_embeddings")), family=family,
-                         **family_switches(config, family))
+                         **family_switches(config, family, where))
     except KeyError as e:
         raise ConfigError(f"{where} lacks {e.args[0]}") from None
 
@@ -202,7 +208,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if args.family not in ("qwen2", "gpt_oss"):
+    if args.family not in ("qwen2", "gpt_oss", "deepseek_v3"):
         computed |= {"attention_bias": args.qkv_bias, "mlp_bias": args.ffn_bias}
     if args.family == "gpt_oss":
         if args.dense_layers or not (args.expert_bias and args.router_bias and args.attention_sinks and args.swiglu_limit
@@ -212,6 +218,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed |= {"attention_bias": args.qkv_bias, "num_local_experts": args.n_experts,
                      "num_experts_per_tok": args.top_k, "intermediate_size": args.moe_hidden,
                      "swiglu_limit": args.swiglu_limit, "swiglu_alpha": args.swiglu_alpha}
+    if args.family == "deepseek_v3":
+        computed |= deepseek_fields(args) | {"attention_bias": args.qkv_bias}
+    elif args.kv_lora_rank:
+        raise ConfigError(f"checkpoint: a {args.family} config.json has no latent attention (export it as deepseek_v3)")
     if args.family == "smollm3":
         computed["no_rope_layers"] = [int(i not in args.nope_layers) for i in range(args.n_layers)]
     computed |= window_fields(args)

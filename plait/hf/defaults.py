@@ -20,7 +20,8 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "max_window_layers", "layer_types",
         "no_rope_layers", "no_rope_layer_interval", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
         "norm_topk_prob", "router_jitter_noise", "final_logit_softcapping", "attn_logit_softcapping", "swiglu_limit",
-        "swiglu_alpha")
+        "swiglu_alpha", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "rope_interleave")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -45,6 +46,11 @@ DEFAULTS = {
     "gpt_oss": COMMON | {"num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
                          "max_position_embeddings": 131072, "attention_bias": True, "sliding_window": 128,
                          "layer_types": None, "num_experts_per_tok": 4, "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
+    "deepseek_v3": COMMON | {"num_key_value_heads": 128, "max_position_embeddings": 4096,
+                             "attention_bias": False, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                             "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                             "v_head_dim": 128, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8,
+                             "topk_group": 4, "first_k_dense_replace": 3, "rope_interleave": True},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},

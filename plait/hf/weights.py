@@ -12,6 +12,12 @@ Parameter names (plait -> Hugging Face):
     layers.N.feed_forward.experts.w1/w3/w2  -> model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj.weight
                                                (Mixtral: block_sparse_moe.experts.E.w1/w3/w2.weight),
                                                one [E, ...] tensor <-> E tensors
+    DeepSeek-V3: layers.N.attention.wq_a/wq_b/wkv_a/wkv_b -> model.layers.N.self_attn.q_a_proj/q_b_proj/
+                                               kv_a_proj_with_mqa/kv_b_proj, q_a_norm/kv_a_norm ->
+                                               q_a_layernorm/kv_a_layernorm (RoPE entries kept in place:
+                                               DeepSeek rotates interleaved pairs too),
+             layers.N.feed_forward.shared.w1/w3/w2 -> model.layers.N.mlp.shared_experts.gate/up/down_proj,
+             layers.N.feed_forward.router.bias (a buffer) -> model.layers.N.mlp.gate.e_score_correction_bias
     gpt-oss: layers.N.attention.core.sinks  -> model.layers.N.self_attn.sinks
              layers.N.feed_forward.router.gate.{weight,bias} -> model.layers.N.mlp.router.{weight,bias}
              layers.N.feed_forward.experts.w1/w3 -> model.layers.N.mlp.experts.gate_up_proj [E, dim, 2 x hidden]
@@ -55,7 +61,14 @@ LAYER_NAMES = {
     "attention.q_proj_norm": "self_attn.q_norm", "attention.k_proj_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
     "feed_forward.router.gate": "mlp.gate", "attention.core": "self_attn",
+    # DeepSeek-V3's latent attention and shared experts
+    "attention.wq_a": "self_attn.q_a_proj", "attention.q_a_norm": "self_attn.q_a_layernorm",
+    "attention.wq_b": "self_attn.q_b_proj", "attention.wkv_a": "self_attn.kv_a_proj_with_mqa",
+    "attention.kv_a_norm": "self_attn.kv_a_layernorm", "attention.wkv_b": "self_attn.kv_b_proj",
+    "feed_forward.shared.w1": "mlp.shared_experts.gate_proj", "feed_forward.shared.w3": "mlp.shared_experts.up_proj",
+    "feed_forward.shared.w2": "mlp.shared_experts.down_proj",
 }
+ROUTER_BIAS = "feed_forward.router.bias"  # a buffer: DeepSeek-V3's e_score_correction_bias
 EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
            "feed_forward.experts.w2": "down_proj"}
 MIXTRAL = "block_sparse_moe"  # Mixtral's name for the MoE layer; its experts keep Meta's w1/w2/w3
@@ -90,6 +103,8 @@ def hf_name(name: str, args: ModelArgs) -> str:
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     index, rest = LAYER.match(name).groups()
+    if rest == ROUTER_BIAS:
+        return f"model.layers.{index}.mlp.gate.e_score_correction_bias"
     module, kind = rest.rsplit(".", 1)
     hf_module = (LAYER_NAMES | BLOCK_NORMS[args.post_norm])[module]
     if args.family == "mixtral":
@@ -147,7 +162,7 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
             if merged is not None:
                 tensors[hf_names(name, args)[0]] = merged.to(dtype).contiguous()
             continue
-        if name.endswith(ROPE_ORDERED):
+        if name.endswith(ROPE_ORDERED) and not args.kv_lora_rank:
             tensor = to_hf_rope_order(tensor, args.head_dim)
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
@@ -201,7 +216,7 @@ def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     if differ:
         raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
-    missing = [hf for n in parameter_names(args) for hf in hf_names(n, args) if hf not in present]
+    missing = [hf for n in parameter_names(args) + buffer_names(args) for hf in hf_names(n, args) if hf not in present]
     if missing:
         raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     return present
@@ -215,6 +230,13 @@ def parameter_names(args: ModelArgs) -> list[str]:
         return [name for name, _ in Transformer(args).named_parameters()]
 
 
+def buffer_names(args: ModelArgs) -> list[str]:
+    """The buffers a family's folder holds (DeepSeek-V3's routers' balancing biases)."""
+    if args.family != "deepseek_v3":
+        return []
+    return [f"layers.{i}.{ROUTER_BIAS}" for i in range(args.n_layers) if args.sparse(i)]
+
+
 class HFWeights(Mapping):
     """A Hugging Face folder's weights as a plait state dict (fp32, plait names and RoPE
     order), checked against `args` up front and read one tensor at a time, memory-mapped, when
@@ -222,6 +244,7 @@ class HFWeights(Mapping):
 
     def __init__(self, folder: Path, args: ModelArgs, option: str):
         self.args, self.names, self.files = args, parameter_names(args), check(folder, args, option)
+        self.buffers = {name: self[name] for name in buffer_names(args)}  # (small: read at once)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         pieces = []
@@ -231,7 +254,7 @@ class HFWeights(Mapping):
         tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
         if self.args.family == "gpt_oss" and ".experts." in name:
             tensor = gpt_oss_expert(name, tensor).contiguous()
-        if name.endswith(ROPE_ORDERED):
+        if name.endswith(ROPE_ORDERED) and not self.args.kv_lora_rank:
             tensor = from_hf_rope_order(tensor, self.args.head_dim)
         return tensor
 

@@ -47,13 +47,14 @@ class ScaledDotProduct(nn.Module):
     q.shape[2] keys' positions, one run); `keys` likewise for k and v (default: from the first);
     `heads`: which of the module's heads q holds (default: all). `window` > 0: each query sees
     only itself and the window - 1 keys before it. `sink_heads` > 0: a learned sink logit per
-    head joins each softmax's denominator (gpt-oss). A module of its own so context parallelism
+    head joins each softmax's denominator (gpt-oss). `scale`: of the scores (default: 1/sqrt of
+    q's head_dim). A module of its own so context parallelism
     can hand it the keys and values (and queries, and heads) it needs (forward hooks), without
     touching the model."""
 
-    def __init__(self, window: int = 0, sink_heads: int = 0):
+    def __init__(self, window: int = 0, sink_heads: int = 0, scale: float | None = None):
         super().__init__()
-        self.window = window
+        self.window, self.scale = window, scale
         # (a parameter of the kernel's module: context parallelism's hooks hand the kernel its heads)
         self.sinks = nn.Parameter(torch.zeros(sink_heads)) if sink_heads else None
 
@@ -69,23 +70,25 @@ class ScaledDotProduct(nn.Module):
         if mask is None and (self.window or sinks is not None):  # the masked path, one document
             mask = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         if isinstance(mask, torch.Tensor):
             return masked_attention(q, k, v, mask, queries or ((k.shape[2] - q.shape[2], q.shape[2]),), self.window,
-                                    keys or ((0, k.shape[2]),), sinks)
+                                    keys or ((0, k.shape[2]),), sinks, self.scale)
         if isinstance(mask, dict):
             mask = mask[self.window]
         if sinks is None:
-            return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
+            return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True, scale=self.scale)
         # A sink's share of each softmax: out x sum / (sum + e^sink) = out x sigmoid(lse - sink).
         from torch.nn.attention.flex_attention import AuxRequest
 
-        out, aux = flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        out, aux = flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True, scale=self.scale,
+                                          return_aux=AuxRequest(lse=True))
         return out * torch.sigmoid(aux.lse - sinks[:, None].to(aux.lse.dtype))[..., None].to(out.dtype)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
-                    first: int, first_key: int, window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    first: int, first_key: int, window: int, sinks: torch.Tensor | None = None,
+                    scale: float | None = None) -> torch.Tensor:
     """One query block (sequence indices `first` on) over the keys k and v hold (sequence indices
     `first_key` on), under the mask built from `documents` here, in q's dtype (the compute dtype
     SDPA would convert it to). With `sinks`, one more key every query sees, whose score is its
@@ -93,8 +96,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents
     sink key's 1) gives it that score in SDPA's own kernel, gradients included."""
     rows = torch.arange(first, first + q.shape[2], device=q.device)
     mask = additive(allowed(documents, rows, first_key + k.shape[2], first_key, window), q.dtype)
+    scale = scale or q.shape[-1] ** -0.5  # (the head's, fixed before q's last dimension grows by a sink's)
     if sinks is not None:
-        scale = q.shape[-1] ** -0.5  # (the head's: q's last dimension grows by one)
         (batch, heads, length, d), kv_heads = q.shape, k.shape[1]
         q = torch.cat([q, (sinks / scale).to(q.dtype)[None, :, None, None].expand(batch, heads, length, 1)], -1)
         sink_key = torch.cat([k.new_zeros(batch, kv_heads, 1, d), k.new_ones(batch, kv_heads, 1, 1)], -1)
@@ -102,12 +105,13 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents
         v = torch.cat([v, v.new_zeros(batch, kv_heads, 1, v.shape[-1])], 2)
         mask = torch.cat([mask, mask.new_zeros(*mask.shape[:3], 1)], -1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
                      queries: tuple[tuple[int, int], ...], window: int = 0,
-                     keys: tuple[tuple[int, int], ...] = (), sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     keys: tuple[tuple[int, int], ...] = (), sinks: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
     """SDPA under the document mask (or cp's causal rows: documents all zeros), one block of
     `query_block` rows at a time over the keys up to its last row only (under a `window`,
     from its first row's window on: O(seq x window), not seq^2): SDPA's causal path
@@ -131,7 +135,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
             first_key = max(0, first - window + 1) if window else 0
             run = next(i for i, (s, n) in enumerate(keys) if s <= first_key and end <= s + n)
             held = slice(key_rows[run] + first_key - keys[run][0], key_rows[run] + end - keys[run][0])
-            inputs = (q[:, :, rows], k[:, :, held], v[:, :, held], documents, first, first_key, window, sinks)
+            inputs = (q[:, :, rows], k[:, :, held], v[:, :, held], documents, first, first_key, window, sinks, scale)
             # (Compiled, the partitioner decides what backward keeps: torch 2.13 cannot trace this
             # checkpoint around TP's tensors.)
             recompute = torch.is_grad_enabled() and not torch.compiler.is_compiling()

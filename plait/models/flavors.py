@@ -61,6 +61,20 @@ class ModelArgs:
     router_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    # Multi-head latent attention (DeepSeek-V2/V3, plait/models/latent_attention.py) where
+    # kv_lora_rank > 0: keys and values expand from a latent of kv_lora_rank per token, each
+    # head's key is qk_nope_head_dim of its own and a RoPE key of qk_rope_head_dim shared by
+    # every head, values are v_head_dim; queries through a latent of q_lora_rank (0: one
+    # projection). head_dim is then the query/key head (nope + rope), n_kv_heads n_heads.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek-V3's group-limited routing: the experts in n_groups groups, a token's top_k from
+    # the topk_groups groups whose two best (biased) scores sum highest (0: no groups).
+    n_groups: int = 0
+    topk_groups: int = 0
 
     def __post_init__(self):
         # (a manifest's JSON gives a list back)
@@ -68,13 +82,23 @@ class ModelArgs:
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         object.__setattr__(self, "full_layers", tuple(self.full_layers))
         # Settled once, so a checkpoint's manifest records every number of the shape.
+        if self.kv_lora_rank:
+            object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if not self.v_head_dim:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
         if not self.ffn_hidden:
             hidden = int(2 * 4 * self.dim / 3)
             if self.ffn_dim_multiplier is not None:
                 hidden = int(self.ffn_dim_multiplier * hidden)
             object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
+
+    @property
+    def rope_dim(self) -> int:
+        """The entries of a query or key head that RoPE rotates (under latent attention: its RoPE part)."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
     def sparse(self, block: int) -> bool:
         """Whether block `block` is a mixture of experts."""
@@ -104,6 +128,8 @@ class ModelArgs:
 
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                 "beta_slow": 1.0, "truncate": False}
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -141,7 +167,7 @@ FLAVORS = {
                             nope_layers=tuple(range(3, 36, 4)), family="smollm3"),
     # Mixtures of experts: debug's shape with 8 experts of which each token takes 2 (Qwen3-MoE's
     # switches), the same with DeepSeek-V3's router (sigmoid, a load-balancing bias, one shared
-    # expert; exported nowhere: plait has not DeepSeek's attention), a CPU benchmark size, and
+    # expert; exported nowhere: its attention is not DeepSeek's), a CPU benchmark size, and
     # Qwen3-MoE's published shapes for `plait plan`.
     "debug_moe": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
                            qk_norm="head", n_experts=8, top_k=2, moe_hidden=64, family="qwen3_moe"),
@@ -178,6 +204,34 @@ FLAVORS = {
                               out_bias=True, sliding_window=128, full_layers=tuple(range(1, 36, 2)),
                               attention_sinks=True, n_experts=128, top_k=4, moe_hidden=2880, expert_bias=True,
                               router_bias=True, swiglu_limit=7.0, family="gpt_oss", rope_scaling=GPT_OSS_YARN),
+    # DeepSeek-V3: multi-head latent attention (a low-rank query, keys and values from a latent,
+    # a RoPE key shared by the heads), the sigmoid router over groups of experts with a shared
+    # expert, the first blocks dense, YaRN with mscale. The CPU test size keeps every switch (8
+    # experts in 4 groups, a value head unlike the query's); the 16B size is DeepSeek-V2-Lite's
+    # sizes (torchtitan's 16B) with V3's router; Kimi K2 is V3's architecture at 1T.
+    "debug_mla": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=0, ffn_hidden=256, norm_eps=1e-6,
+                           q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+                           n_experts=8, top_k=2, moe_hidden=64, n_shared_experts=1, router="sigmoid",
+                           route_scale=2.5, n_groups=4, topk_groups=2, dense_layers=(0,), family="deepseek_v3",
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "deepseek_v3_16b": ModelArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=102400,
+                                 ffn_hidden=10944, norm_eps=1e-6, max_seq_len=4096, kv_lora_rank=512,
+                                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=64, top_k=6,
+                                 moe_hidden=1408, n_shared_experts=2, router="sigmoid", dense_layers=(0,),
+                                 family="deepseek_v3"),
+    "deepseek_v3_671b": ModelArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                                  ffn_hidden=18432, norm_eps=1e-6, max_seq_len=163840, q_lora_rank=1536,
+                                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  n_experts=256, top_k=8, moe_hidden=2048, n_shared_experts=1, router="sigmoid",
+                                  route_scale=2.5, n_groups=8, topk_groups=4, dense_layers=(0, 1, 2),
+                                  family="deepseek_v3", rope_scaling=DEEPSEEK_YARN),
+    "kimi_k2_1t": ModelArgs(dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, vocab_size=163840, ffn_hidden=18432,
+                            norm_eps=1e-6, rope_theta=50000.0, max_seq_len=131072, q_lora_rank=1536, kv_lora_rank=512,
+                            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=384, top_k=8,
+                            moe_hidden=2048, n_shared_experts=1, router="sigmoid", route_scale=2.827,
+                            dense_layers=(0,), family="deepseek_v3",
+                            rope_scaling=DEEPSEEK_YARN | {"factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0}),
     "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                            multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0),
     "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,

@@ -3,7 +3,8 @@ token, the experts run as grouped matmuls, and their outputs come back weighted.
 
 - Router: softmax over the experts then the top k, renormalised (Qwen3-MoE, Mixtral), or a
   sigmoid per expert with a load-balancing bias that steers the choice but not the weights and no
-  auxiliary loss (DeepSeek-V3). Always in float32, the gate's matmul included: a bf16 score would
+  auxiliary loss (DeepSeek-V3; its top k from the best groups of experts only, which bounds the
+  nodes a token's experts lie on under expert parallelism). Always in float32, the gate's matmul included: a bf16 score would
   flip near-tied choices. (Its operands are what the block holds: under bf16 param mode the
   gate's weight arrives cast as the block's others do, as in torchtitan and transformers.)
   Ties go to the lower expert index (a stable sort), so every layout that computes the same
@@ -32,9 +33,10 @@ EXPERT_BIASES = ("experts.b1", "experts.b2", "experts.b3")  # gpt-oss's [E, n]: 
 
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, top_k: int, kind: str, normalize: bool, scale: float,
-                 gate_bias: bool = False):
+                 gate_bias: bool = False, groups: int = 0, top_groups: int = 0):
         super().__init__()
         self.top_k, self.kind, self.normalize, self.scale = top_k, kind, normalize, scale
+        self.groups, self.top_groups = groups, top_groups
         self.gate = nn.Linear(dim, n_experts, bias=gate_bias)  # (a trained bias on the logits: gpt-oss)
         # sigmoid: added to the scores to choose experts only; moved after each step towards balance
         # (plait/expert_load.py). A buffer: saved with the model, not trained.
@@ -47,6 +49,11 @@ class Router(nn.Module):
                               self.gate.bias.float())
         scores = logits.softmax(-1) if self.kind == "softmax" else logits.sigmoid()
         choosing = scores if self.bias is None else scores + self.bias
+        if self.groups > 1:  # only experts of the top_groups groups whose two best scores sum highest
+            grouped = choosing.unflatten(-1, (self.groups, -1))
+            best = grouped.topk(2, dim=-1).values.sum(-1).sort(dim=-1, descending=True, stable=True).indices
+            kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best[:, :self.top_groups], True)
+            choosing = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
         experts = choosing.sort(dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         weights = scores.gather(-1, experts)
         if self.normalize:
@@ -131,7 +138,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts = args.n_experts
         self.router = Router(dim, args.n_experts, args.top_k, args.router, args.normalize_top_k, args.route_scale,
-                             args.router_bias)
+                             args.router_bias, args.n_groups, args.topk_groups)
         self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts, args.expert_bias, args.swiglu_limit,
                                       args.swiglu_alpha)
         self.shared = SharedExperts(dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None

@@ -59,14 +59,22 @@ def attention_factor(scaling: dict | None) -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-
-    def mscale(factor: float, weight: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
-
     factor = scaling["factor"]
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
-    return mscale(factor)
+        return float(yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"]))
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, weight: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+
+def softmax_scale(head_dim: int, scaling: dict | None) -> float:
+    """DeepSeek's attention scale: 1/sqrt(head_dim), under YaRN with mscale_all_dim times
+    yarn_mscale(factor, mscale_all_dim) squared (q and k's share of it, which the table leaves out)."""
+    weight = (scaling or {}).get("mscale_all_dim") if (scaling or {}).get("rope_type") == "yarn" else None
+    return head_dim ** -0.5 * (yarn_mscale(scaling["factor"], weight) ** 2 if weight else 1.0)
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from plait.models.attention import Attention, KVCache
 from plait.models.flavors import ModelArgs
+from plait.models.latent_attention import LatentAttention
 from plait.models.mlp import FeedForward
 from plait.models.moe import EXPERT_BIASES, MoE, moe_layers
 from plait.models.norms import RMSNorm
@@ -28,7 +29,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.post_norm = args.post_norm
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, rope=index not in args.nope_layers, window=args.window(index))
+        self.attention = LatentAttention(args, args.window(index)) if args.kv_lora_rank else \
+            Attention(args, rope=index not in args.nope_layers, window=args.window(index))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
 
@@ -72,7 +74,7 @@ class Transformer(nn.Module):
         """(Re)compute the RoPE table: after `to_empty` a non-persistent buffer holds garbage."""
         device = next(self.parameters()).device
         a = self.args
-        self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
+        self.rope = rope_table(a.rope_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
         for moe in moe_layers(self):  # (a checkpoint's router biases are loaded after this)
             if moe.router.bias is not None:
                 moe.router.bias.zero_()
@@ -161,12 +163,15 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     Attention counts the full (not causal) seq x seq products, 12 * layers * dim * seq, the
     convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs; a
     sliding block's queries each meet at most its window of keys: 12 * dim * min(seq, window).
+    Under latent attention a head's scores and values are head_dim and v_head_dim wide: dim is
+    then n_heads x their mean.
     """
     with torch.device("meta"):
         n = num_params(Transformer(args), exclude_embedding=True, active=True)
     tied_output = args.vocab_size * args.dim if args.tie_embeddings else 0  # a matmul, though no parameter of its own
     keys = sum(min(seq_len, args.window(block) or seq_len) for block in range(args.n_layers))
-    return 6 * (n + tied_output) + 12 * args.dim * keys
+    width = args.n_heads * (args.head_dim + args.v_head_dim) / 2 if args.kv_lora_rank else args.dim
+    return 6 * (n + tied_output) + 12 * width * keys
 
 
 def linear_weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ DTensor RNG tracker there, so every rank would draw the same numbers for differe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -23,8 +23,10 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 
 @torch.no_grad()
-def fill_weights(model: Transformer, full_value: Callable[[str, torch.Size], torch.Tensor]) -> None:
-    """Set every parameter from `full_value(name, full shape)`, each rank keeping its own piece."""
+def fill_weights(model: Transformer, full_value: Callable[[str, torch.Size], torch.Tensor],
+                 buffers: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Set every parameter from `full_value(name, full shape)`, each rank keeping its own piece,
+    and the buffers named in `buffers` (a Hugging Face folder's router biases) from theirs."""
     for name, param in model.named_parameters():
         full = full_value(name, param.shape).to(param.dtype)
         if isinstance(param, DTensor):
@@ -34,3 +36,6 @@ def fill_weights(model: Transformer, full_value: Callable[[str, torch.Size], tor
         else:
             param.copy_(full)
     model.reset_buffers()
+    for name, buffer in model.named_buffers():
+        if name in (buffers or {}):
+            buffer.copy_(buffers[name])

@@ -45,7 +45,7 @@ model = parallel.build_model(args, mesh, cfg, resolve(cfg), torch.device("cpu"))
 Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here: the import's own
 before, start = gib("VmRSS:"), time.perf_counter()
 weights = hf.HFWeights(folder, args, "checkpoint.load")
-fill_weights(model, lambda name, shape: weights[name])
+fill_weights(model, lambda name, shape: weights[name], weights.buffers)
 seconds = time.perf_counter() - start
 print(json.dumps({"rank": dist.get_rank(), "seconds": seconds, "model_gib": before, "peak_gib": gib("VmHWM:")}))
 dist.destroy_process_group()

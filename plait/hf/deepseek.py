@@ -1,0 +1,55 @@
+"""DeepSeek-V3's config.json (and Kimi K2's, the same architecture) <-> plait's ModelArgs:
+multi-head latent attention, the grouped sigmoid router with its shared experts, the dense
+first blocks. The fields DeepSeek's own config.json adds for its remote code (scoring_func,
+topk_method, moe_layer_freq) must say what transformers' DeepseekV3 computes, or are refused."""
+
+from __future__ import annotations
+
+from plait.config import ConfigError
+from plait.hf.defaults import setting
+from plait.models.flavors import ModelArgs
+
+# DeepSeek's remote-code fields: the one value transformers' DeepseekV3 computes
+REMOTE_FIELDS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def deepseek_switches(config: dict, family: str, where: str) -> dict:
+    """The ModelArgs switches of a deepseek_v3 config.json."""
+    for field, allowed in REMOTE_FIELDS.items():
+        if config.get(field, allowed) != allowed:
+            raise ConfigError(f"{where} sets {field} {config[field]!r}, which transformers' DeepseekV3 does not "
+                              f"compute; allowed: {allowed!r}")
+    if not setting(config, family, "rope_interleave"):
+        raise ConfigError(f"{where} sets rope_interleave false (RoPE over halves of the rope entries); plait reads "
+                          "DeepSeek's interleaved pairs; allowed: true")
+    groups = setting(config, family, "n_group") or 1
+    return {"q_lora_rank": setting(config, family, "q_lora_rank") or 0,
+            "kv_lora_rank": setting(config, family, "kv_lora_rank"),
+            "qk_nope_head_dim": setting(config, family, "qk_nope_head_dim"),
+            "qk_rope_head_dim": setting(config, family, "qk_rope_head_dim"),
+            "v_head_dim": setting(config, family, "v_head_dim"),
+            "n_experts": config["n_routed_experts"], "top_k": setting(config, family, "num_experts_per_tok"),
+            "moe_hidden": config["moe_intermediate_size"], "router": "sigmoid",
+            "n_shared_experts": setting(config, family, "n_shared_experts"),
+            "route_scale": float(setting(config, family, "routed_scaling_factor")),
+            "normalize_top_k": bool(setting(config, family, "norm_topk_prob")),
+            "n_groups": groups if groups > 1 else 0, "topk_groups": setting(config, family, "topk_group") if groups > 1
+            else 0, "dense_layers": tuple(range(setting(config, family, "first_k_dense_replace")))}
+
+
+def deepseek_fields(args: ModelArgs) -> dict:
+    """config.json's DeepSeek-V3 fields for `args`, refused with one line where it is not DeepSeek-V3's model."""
+    if not (args.kv_lora_rank and args.router == "sigmoid" and args.n_shared_experts and args.qk_norm == "none"
+            and args.dense_layers == tuple(range(len(args.dense_layers))) and not args.expert_bias
+            and not args.router_bias and not args.attention_sinks and not args.sliding_window and not args.ffn_bias):
+        raise ConfigError("checkpoint: a deepseek_v3 config.json has latent attention, the sigmoid router with shared "
+                          "experts, its dense blocks first, no q/k norm, windows, sinks or expert biases; this model "
+                          "differs")
+    return {"q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim, "head_dim": args.qk_rope_head_dim, "num_key_value_heads": args.n_heads,
+            "n_routed_experts": args.n_experts, "num_experts_per_tok": args.top_k,
+            "moe_intermediate_size": args.moe_hidden, "n_shared_experts": args.n_shared_experts,
+            "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.normalize_top_k,
+            "n_group": args.n_groups or 1, "topk_group": args.topk_groups or 1,
+            "first_k_dense_replace": len(args.dense_layers), "rope_interleave": True}
