@@ -180,6 +180,7 @@ DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
+MLA = ["--model.flavor", "debug_mla"]
 EP2 = ["--parallelism.ep", "2"]
 MUON = ["--optimizer.name", "muon"]
 
@@ -289,6 +290,13 @@ LAYOUTS = {
     "ep2_gpt_oss": (2, [*GPT_OSS, *EP2]),
     "pp_gpt_oss": (2, [*GPT_OSS, *PP2]),
     "cp_gpt_oss": (2, [*GPT_OSS, *CP2, "--training.micro_batch_size", "2"]),
+    # DeepSeek-V3 (debug_mla): latent attention, grouped sigmoid routing, a shared expert, block 0 dense
+    "single_mla": (1, [*MLA, "--training.micro_batch_size", "2"]),
+    "fsdp2_mla": (2, [*MLA, *degrees(1, 2)]),
+    "tp_mla": (2, [*MLA, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "ep2_mla": (2, [*MLA, *EP2]),
+    "pp_mla": (2, [*MLA, *PP2]),
+    "cp_mla": (2, [*MLA, *CP2, "--training.micro_batch_size", "2"]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
     # load-balancing loss is taken over each forward's tokens, so a row's reference forwards the
     # same sequences together: 2 per forward (single_moe) or 1 (single_moe_mb1, the world-4 rows

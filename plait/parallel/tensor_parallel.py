@@ -11,6 +11,13 @@ columns, wo and w2 biases are added once after the reduction; a per-head q/k nor
 shared by every head) is replicated and normalises the rank's heads; a q/k norm over the whole
 projection splits its weight with the heads and completes its mean square with one all-reduce.
 
+Latent attention (DeepSeek-V3) splits its heads the same way (wq or wq_b, wkv_b column-wise, wo
+row-wise) and keeps the latent projections and their norms (wq_a, q_a_norm, wkv_a, kv_a_norm)
+whole on every rank, as torchtitan's plan does: they are small (the latents are 512-1536 wide
+where the heads are 16K-24K), and split they would need an all-gather each before the heads.
+Each rank then computes them on the whole input and back-propagates its own heads' share, so
+their gradients are partial sums over TP, completed as sequence parallelism's norms' are.
+
 A mixture-of-experts layer is not split: its experts are whole on every TP rank (split them over
 ranks with parallelism.ep), which runs it on the whole sequence (gathered under SP, as the dense
 FFN's input is) and hands back its own part. Every TP rank computes the same routing, outputs and
@@ -21,17 +28,19 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from plait.config import ConfigError, JobConfig
 from plait.models.flavors import ModelArgs
-from plait.models.transformer import TiedOutput
+from plait.models.latent_attention import LatentAttention
 from plait.models.moe import MoE
+from plait.models.transformer import TiedOutput
 
 
 def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
@@ -92,6 +101,56 @@ class HeadsParallel(ParallelStyle):
         return module
 
 
+class WholeOnEachRank(ParallelStyle):
+    """A linear layer or norm of latent attention before its heads split: replicated, run on the
+    rank's whole (local) input. Its output's gradient on each rank is that rank's heads' part, so
+    its weights' gradients are partial: DTensor completes the sum (Partial)."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def local(name: str) -> torch.Tensor | None:
+            param = getattr(module, name, None)
+            return None if param is None else param.to_local(grad_placements=[Partial()])
+
+        if isinstance(module, nn.Linear):
+            module.forward = lambda x: F.linear(x, local("weight"), local("bias"))
+        else:  # RMSNorm
+            module.forward = lambda x: F.rms_norm(x, (x.shape[-1],), local("weight"), module.eps)
+        return module
+
+
+class HeadsColumns(ParallelStyle):
+    """A projection into latent attention's heads, split column-wise: the rank's heads from its
+    whole local input, whose gradient stays the rank's part (summed once, at the attention's
+    input: `latent_input`)."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)])))
+        module.forward = lambda x: F.linear(x, module.weight.to_local())
+        return module
+
+
+def latent_input(between, mesh: DeviceMesh):
+    """Latent attention's input, gathered (SP) into a local tensor every rank holds whole, whose
+    gradients are the ranks' parts: summed (reduce-scattered under SP) on the way back."""
+
+    def hook(module, args, kwargs):
+        x = args[0] if isinstance(args[0], DTensor) else DTensor.from_local(args[0], mesh, [between], run_check=False)
+        return (x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()]), *args[1:]), kwargs
+
+    return hook
+
+
+def latent_attention_plan(attention: LatentAttention, between) -> dict[str, ParallelStyle]:
+    """Latent attention's heads split over TP, its latents whole on each rank."""
+    plan = {f"attention.{name}": WholeOnEachRank() for name in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm")
+            if hasattr(attention, name)}
+    plan |= {f"attention.{name}": HeadsColumns() for name in ("wq", "wq_b", "wkv_b") if hasattr(attention, name)}
+    return plan | {"attention.wo": RowwiseParallel(output_layouts=between)}
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     # Between blocks activations are split on the sequence (SP) or replicated.
     between = Shard(1) if sequence_parallel else Replicate()
@@ -121,6 +180,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
         }
+        if isinstance(block.attention, LatentAttention):
+            plan = latent_attention_plan(block.attention, between)
+            block.attention.register_forward_pre_hook(latent_input(between, tp_mesh), with_kwargs=True)
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=True,

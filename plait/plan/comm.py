@@ -6,6 +6,7 @@ tests run; expert parallelism's all-to-alls under balanced routing). Their time:
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 from plait import float8
@@ -15,6 +16,8 @@ from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
                                rank_parameters, rank_stages, ulysses_degree, ulysses_kv_heads, units,
                                window_tail_keys)
+
+LATENT = re.compile(r"attention\.(wq_a|q_a_norm|wkv_a|kv_a_norm)\.")  # whole on every TP rank
 
 
 def comm_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> dict[tuple[str, str], int]:
@@ -83,7 +86,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # heads its Ulysses group gave it) and reduce-scatters their gradients in backward (its
         # input, the same size); a checkpointed block gathers again. Under all-gather, a sliding
         # window no longer than a chunk gathers only the window - 1 keys before each chunk.
-        per_key = passes * 2 * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * args.head_dim * e
+        per_key = passes * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * (args.head_dim + args.v_head_dim) * e
         for block in block_indices(blocks):
             keys = p.cp * window_tail_keys(args, cfg, block, tokens) or tokens * p.cp  # every rank's tails, or all
             out["forward", "all_gather", "cp"] += keys * per_key
@@ -96,19 +99,24 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # gathered (its gradient scattered). A checkpointed block's recompute gathers its two
         # inputs again and reduce-scatters the attention output the FFN's input needs (it stops
         # before the FFN's own reduce-scatter).
+        # A mixture of experts runs whole on its gathered input and hands back its own part: no
+        # reduce-scatter in forward, and in backward its output's gradient gathered, its input's sliced.
         first, last = "tok_embeddings.weight" in params, holds_output(args, params)
         activation = tokens * args.dim * e
-        gathers, scatters = 2 * len(blocks) + last, 2 * len(blocks) + first  # in forward
+        moe = sum(map(args.sparse, block_indices(blocks)))
+        gathers, scatters = 2 * len(blocks) + last, 2 * len(blocks) + first - moe  # in forward
         out["forward", "all_gather", "tp"] += passes * gathers * activation
         out["forward", "reduce_scatter", "tp"] += passes * scatters * activation
-        out["backward", "all_gather", "tp"] += passes * (scatters + 2 * recomputed) * activation
-        out["backward", "reduce_scatter", "tp"] += passes * (gathers + recomputed) * activation
+        out["backward", "all_gather", "tp"] += passes * (scatters + moe + 2 * recomputed) * activation
+        out["backward", "reduce_scatter", "tp"] += passes * (gathers - moe + recomputed) * activation
         # Loss parallelism all-reduces three per-token fp32 values per micro-batch. The norm
         # weights' gradients, partial sums over each rank's sequence shard (a per-head q/k
-        # norm's: over its heads), are all-reduced once per step, in the reduce dtype when FSDP2
+        # norm's and latent attention's latents': over its heads), are all-reduced once per step, in the reduce dtype when FSDP2
         # accumulated them over several micro-batches.
         out["forward", "all_reduce", "tp"] += passes * last * 3 * tokens * 4
         norms = (2 * len(blocks) + last) * args.dim + 2 * len(blocks) * args.head_dim * (args.qk_norm == "head")
+        # (latent attention's latent projections and norms, whole on each rank: partial gradients too)
+        norms += sum(math.prod(shape) for name, shape in params.items() if LATENT.search(name))
         out["backward", "all_reduce", "tp"] += norms * (e if passes == 1 else reduce)
         if args.qk_norm == "projection":
             # Each q/k norm all-reduces one fp32 sum of squares per token, and its gradient in

@@ -24,8 +24,9 @@ from plait.parallel.activation_checkpoint import checkpointed_blocks
 # (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum.)
 COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight",
            "wq.bias", "wk.bias", "wv.bias", "w1.bias", "w3.bias", "q_proj_norm.weight", "k_proj_norm.weight",
-           "core.sinks")
+           "core.sinks", "wq_b.weight", "wkv_b.weight")
 ROWWISE = ("wo.weight", "w2.weight")
+WHOLE = ".feed_forward.shared."  # a mixture of experts' shared experts: whole on every TP rank, as its experts
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ def local_rows_cols(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[
     """Rank 0's (rows, columns) of a parameter: TP's split, then FSDP's dim-0 chunk (the first
     chunk is the largest: ceil)."""
     rows, cols = shape[0], math.prod(shape[1:])
+    if WHOLE in name:
+        return rows, cols
     if layout.tp > 1 and name.endswith(COLWISE):
         rows //= layout.tp
     elif layout.tp > 1 and name.endswith(ROWWISE):
@@ -186,7 +189,22 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     attention = (tokens * (2 * heads + (heads_split > 1 and not masked) * heads) + 2 * key_tokens * kv_kept) * hd * e
     log_sum_exp = 0 if masked else 4 * heads
     qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8}[args.qk_norm]
+    if args.kv_lora_rank:
+        attention, qk_norms = tokens * latent_attention_bytes(args, e, tp, masked, cp), 0
     return norms + attention + tokens * (log_sum_exp + 4 * ffn * e + qk_norms) + experts
+
+
+def latent_attention_bytes(args: ModelArgs, e: int, tp: int, masked: bool, cp: int) -> int:
+    """What latent attention keeps per token (no AC): each latent's norm what a block's norm
+    keeps (its input, in the compute dtype, the fp32 input and normalised values, 1/rms) and
+    the key latent's whole projection output (the RoPE key is a view of it); the queries and
+    keys SDPA reads (heads x head_dim each; keys x cp under all-gather cp), wkv_b's output
+    whole (values are a view of it) and attention's output."""
+    heads, v = args.n_heads // tp, args.v_head_dim
+    norms = sum(8 * rank + 4 + e * rank for rank in (args.q_lora_rank, args.kv_lora_rank) if rank)
+    # (all-gathered keys and values are fresh tensors: wkv_b's output is then not kept)
+    values = heads * (args.qk_nope_head_dim + v) if cp == 1 else heads * v * cp
+    return norms + e * (args.qk_rope_head_dim + heads * args.head_dim * (1 + cp) + values + heads * v)
 
 
 def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
