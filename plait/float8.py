@@ -79,12 +79,14 @@ def layer_plan(args: ModelArgs, tp: int) -> dict[str, str]:
         if not isinstance(module, nn.Linear):
             continue
         rows, cols = module.out_features, module.in_features
-        if tp > 1 and name.startswith("layers."):
+        if tp > 1 and name.startswith("layers.") and ".shared." not in name:  # (shared experts: whole, as experts)
             rows, cols = (rows, cols // tp) if name.endswith(("wo", "w2")) else (rows // tp, cols)
         if not name.startswith("layers."):
             plan[name] = "the output layer stays in the compute dtype (its logits feed the softmax directly)"
         elif name.endswith("router.gate"):
             plan[name] = "a router scores in float32 (a rounded score flips near-tied choices of experts)"
+        elif tp > 1 and args.kv_lora_rank and ".attention." in name:
+            plan[name] = "latent attention under TP has its own plan (latents whole on each rank), not float8's"
         elif rows % MULTIPLE or cols % MULTIPLE:
             plan[name] = f"its {'per-rank ' * (tp > 1)}weight {rows}x{cols} is not a multiple of {MULTIPLE} in both dimensions"
         else:

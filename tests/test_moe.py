@@ -54,6 +54,22 @@ def test_router_breaks_ties_to_the_lower_expert_and_renormalises():
     assert torch.allclose(weights, torch.tensor([[0.5, 0.5]]))
 
 
+def test_group_limited_routing_picks_experts_of_the_best_groups_only():
+    """DeepSeek-V3's routing by hand: 8 experts in 4 groups, the 2 groups whose two best (biased)
+    scores sum highest are kept, top 2 among their experts, weights normalised then scaled."""
+    router = Router(8, 8, 2, "sigmoid", True, 2.5, groups=4, top_groups=2)
+    logits = torch.tensor([[3.0, -4.0, 1.0, 1.0, 0.5, 0.4, -1.0, 2.5]])
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(8))
+    scores, experts, weights = router(logits)
+    # group sums of the two best: 0.95+0.02, 0.73+0.73, 0.62+0.60, 0.27+0.92: groups 1 and 2 win,
+    # so expert 0 (the best score, in group 0) and expert 7 (group 3) are out
+    assert experts.tolist() == [[2, 3]]
+    assert torch.allclose(weights, 2.5 * scores[:, [2, 3]] / scores[:, [2, 3]].sum())
+    router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]))  # group 3 now wins, and its expert 7
+    assert router(logits)[1].tolist() == [[7, 2]]
+
+
 def test_sigmoid_router_bias_steers_the_choice_not_the_weights():
     router = Router(4, 4, 1, "sigmoid", False, 1.0)
     with torch.no_grad():
@@ -203,6 +219,20 @@ def test_experts_multiply_in_bf16_and_the_router_in_fp32(train_once):
     assert grouped == {("forward", "bfloat16"), ("backward", "bfloat16")}
     fp32 = [r for r in matmuls if r["phase"] == "forward" and r["dtypes"] == "float32"]
     assert [(r["op"], r["count"]) for r in fp32] == [("mm", 2)]
+
+
+@pytest.mark.parametrize("name", ["fsdp2_mla", "tp_mla"])
+def test_latent_attention_runs_in_bf16_and_its_router_in_fp32(train_once, name):
+    """DeepSeek-V3's bf16 runs (debug_mla: one MoE block of two): every matmul and attention of
+    forward and backward in bf16 (latent projections, heads, experts, shared expert; attention
+    in SDPA's fused kernel, its narrower values padded) but the router's: its fp32 scores (one
+    matmul in forward) and their gradients (two in backward: its input's and weight's)."""
+    _, probe = layout_run(train_once, name, BF16)
+    rows = [r for r in probe if r["kind"] in ("matmul", "attention")]
+    fp32 = [(r["phase"], r["op"], r["count"]) for r in rows if r["dtypes"] != "bfloat16"]
+    passes = {"fsdp2_mla": 1, "tp_mla": 2}[name]  # micro-batches per rank and step
+    assert fp32 == [("backward", "mm", 2 * passes), ("forward", "mm", passes)], probe
+    assert {r["op"] for r in rows if r["kind"] == "attention"} == {"_scaled_dot_product_flash_attention_for_cpu"}
 
 
 def test_expert_parallelism_all_to_alls_in_forward_and_backward_in_bf16(train_once, capsys):

@@ -22,19 +22,24 @@ def deepseek_switches(config: dict, family: str, where: str) -> dict:
     if not setting(config, family, "rope_interleave"):
         raise ConfigError(f"{where} sets rope_interleave false (RoPE over halves of the rope entries); plait reads "
                           "DeepSeek's interleaved pairs; allowed: true")
-    groups = setting(config, family, "n_group") or 1
+    groups, top_groups = setting(config, family, "n_group") or 1, setting(config, family, "topk_group") or 1
+    experts, top_k = config.get("n_routed_experts"), setting(config, family, "num_experts_per_tok")
+    if groups > 1 and experts and (experts % groups or experts // groups < 2 or not 1 <= top_groups <= groups
+                                   or top_k > top_groups * (experts // groups)):
+        raise ConfigError(f"{where} sets n_group {groups}, topk_group {top_groups} for {experts} experts of which "
+                          f"{top_k} are chosen; allowed: n_group dividing the experts into groups of at least 2, "
+                          "topk_group at most n_group, and the chosen groups holding at least num_experts_per_tok")
     return {"q_lora_rank": setting(config, family, "q_lora_rank") or 0,
             "kv_lora_rank": setting(config, family, "kv_lora_rank"),
             "qk_nope_head_dim": setting(config, family, "qk_nope_head_dim"),
             "qk_rope_head_dim": setting(config, family, "qk_rope_head_dim"),
             "v_head_dim": setting(config, family, "v_head_dim"),
-            "n_experts": config["n_routed_experts"], "top_k": setting(config, family, "num_experts_per_tok"),
+            "n_experts": config["n_routed_experts"], "top_k": top_k,
             "moe_hidden": config["moe_intermediate_size"], "router": "sigmoid",
             "n_shared_experts": setting(config, family, "n_shared_experts"),
             "route_scale": float(setting(config, family, "routed_scaling_factor")),
             "normalize_top_k": bool(setting(config, family, "norm_topk_prob")),
-            "n_groups": groups if groups > 1 else 0, "topk_groups": setting(config, family, "topk_group") if groups > 1
-            else 0, "dense_layers": tuple(range(setting(config, family, "first_k_dense_replace")))}
+            "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0, "dense_layers": tuple(range(setting(config, family, "first_k_dense_replace")))}
 
 
 def deepseek_fields(args: ModelArgs) -> dict:

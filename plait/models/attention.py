@@ -65,6 +65,12 @@ class ScaledDotProduct(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
                 queries: tuple[tuple[int, int], ...] = (), keys: tuple[tuple[int, int], ...] = (),
                 heads: slice = slice(None)) -> torch.Tensor:
+        width = v.shape[-1]
+        if width != q.shape[-1] and (mask is None or isinstance(mask, torch.Tensor)):
+            # SDPA's fused kernels take one head_dim for q, k and v (else the math kernel runs,
+            # on a CPU in fp32): latent attention's narrower values are padded with zeros, and
+            # the output's padding dropped. (forward itself: hooks have run)
+            return self.forward(q, k, F.pad(v, (0, q.shape[-1] - width)), mask, queries, keys, heads)[..., :width]
         sinks = self.sink_logits()
         sinks = sinks[heads] if sinks is not None else None  # (Ulysses: this rank's share of the heads)
         if mask is None and (self.window or sinks is not None):  # the masked path, one document
