@@ -76,6 +76,8 @@ AC_RUNS = {  # (layout, precision, AC options); their reference is the same run 
     ("cp", "fp32", "full"): [*AC, "full"],  # a checkpointed block gathers K/V again in backward
     ("cp_ulysses", "fp32", "full"): [*AC, "full"],  # ... or sends q, k, v and the output all-to-all again
     ("fsdp2_f8", "fp32", "full"): [*AC, "full"],  # recomputes float8 casts and gathers float8 again
+    ("single_mla", "fp32", "selective"): [*AC, "selective"],  # latent attention's matmuls
+    ("tp_mla", "bf16", "full"): [*AC, "full"],  # ... and its gathers under TP again
 }
 
 

@@ -181,7 +181,11 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
         return tokens * e * d // tp + experts
     if mode == "selective":
         # wq, wk, wv, w1, w3; wo and w2 (full-sequence partial sums, and under TP their scattered sums)
-        matmuls = heads * hd + 2 * kv * hd + 2 * ffn + (1 + (not moe)) * d + (2 * d // tp if tp > 1 else 0)
+        projections = heads * hd + 2 * kv * hd
+        if args.kv_lora_rank:  # wq_a, wq_b (or wq), wkv_a (latent and RoPE key), wkv_b (keys' nope entries and values)
+            projections = args.q_lora_rank + heads * hd + args.kv_lora_rank + args.qk_rope_head_dim + \
+                heads * (args.qk_nope_head_dim + args.v_head_dim)
+        matmuls = projections + 2 * ffn + (1 + (not moe)) * d + (2 * d // tp if tp > 1 else 0)
         return tokens * (e * (matmuls + heads * hd + d // tp) + 4 * heads) + experts
     norms = 2 * (tokens // tp * (8 * d + 4) + tokens * e * d)
     key_tokens = tokens + tail_keys if tail_keys else tokens * cp  # the keys a rank keeps ...
@@ -197,22 +201,26 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
 def latent_attention_bytes(args: ModelArgs, e: int, tp: int, masked: bool, cp: int) -> int:
     """What latent attention keeps per token (no AC): each latent's norm what a block's norm
     keeps (its input, in the compute dtype, the fp32 input and normalised values, 1/rms) and
-    the key latent's whole projection output (the RoPE key is a view of it); the queries and
-    keys SDPA reads (heads x head_dim each; keys x cp under all-gather cp), wkv_b's output
-    whole (values are a view of it) and attention's output."""
-    heads, v = args.n_heads // tp, args.v_head_dim
+    in fp32 the key latent's whole projection output (the RoPE key is a view of it); the queries and
+    keys SDPA reads (heads x head_dim each; keys x cp under all-gather cp) and the values:
+    padded to head_dim where narrower (a fresh tensor; its output, padded too, SDPA's causal
+    path keeps, and the output projection its own unpadded copy), else a view of wkv_b's whole
+    output (all-gathered under cp: a fresh tensor); the output projection's input."""
+    heads, hd, v = args.n_heads // tp, args.head_dim, args.v_head_dim
     norms = sum(8 * rank + 4 + e * rank for rank in (args.q_lora_rank, args.kv_lora_rank) if rank)
-    # (all-gathered keys and values are fresh tensors: wkv_b's output is then not kept)
-    values = heads * (args.qk_nope_head_dim + v) if cp == 1 else heads * v * cp
-    return norms + e * (args.qk_rope_head_dim + heads * args.head_dim * (1 + cp) + values + heads * v)
+    padded = v != hd
+    values = heads * hd * cp if padded else heads * (args.qk_nope_head_dim + v) if cp == 1 else heads * v * cp
+    outputs = heads * v + (padded and not masked) * heads * hd
+    rope_key = args.qk_rope_head_dim * (e == 4)  # (in bf16 the norm and RoPE read fp32 copies: no view keeps it)
+    return norms + e * (rope_key + heads * hd * (1 + cp) + values + outputs)
 
 
 def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
     """What a mixture-of-experts layer keeps for backward, routing whatever it routes (every
     token reaches k experts: the sizes do not depend on which). Every mode: the step's record
     (tokens per expert, int64, and the auxiliary loss). full: nothing more. selective: the matmul
-    outputs (the router's fp32 logits; w1, w3 and w2's grouped outputs). none, over the R = k x
-    tokens rows: each row's input, the grouped w2 output and its weighted copy (3 x dim), the
+    outputs (the router's fp32 logits; w1, w3 and w2's grouped outputs; the shared experts').
+    none, over the R = k x tokens rows: each row's input, the grouped w2 output and its weighted copy (3 x dim), the
     SwiGLU's four hidden tensors (seven clamped: gpt-oss), their row and token indices (int64;
     with experts' biases also each row's expert) and weights; the router's fp32 scores and its
     sort's int64 indices, the top-k weights and their sum; in bf16 the router's fp32 copies of
@@ -223,9 +231,9 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
     record = n * 8 + 4 * softmax
     if mode == "full":
         return record
-    if mode == "selective":
-        return record + tokens * n * 4 + rows * (2 * h + d) * e
     shared = args.moe_hidden * args.n_shared_experts
+    if mode == "selective":  # (and the shared experts' three matmuls)
+        return record + tokens * n * 4 + rows * (2 * h + d) * e + tokens * (2 * shared + d * bool(shared)) * e
     router = tokens * n * 12 + args.normalize_top_k * tokens * (k + 1) * 4 + n * 4 * softmax
     casts = tokens * d * 4 + n * d * 4 - tokens * d * e * (not shared) if e != 4 else 0
     hidden = 7 if args.swiglu_limit else 4  # the clamped SwiGLU: both clamps' inputs, and gate, sigmoid, glu, up + 1
@@ -260,7 +268,7 @@ def rope_rows_bytes(args: ModelArgs, cfg: JobConfig, sequences: int) -> int:
     inputs, not activations.)"""
     if cfg.model.attention_mask == "causal" and cfg.parallelism.cp == 1:
         return 0
-    return sequences * cfg.training.seq_len // cfg.parallelism.cp * args.head_dim * 4
+    return sequences * cfg.training.seq_len // cfg.parallelism.cp * args.rope_dim * 4
 
 
 def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> int:
