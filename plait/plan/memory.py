@@ -220,8 +220,8 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
     token reaches k experts: the sizes do not depend on which). Every mode: the step's record
     (tokens per expert, int64, and the auxiliary loss). full: nothing more. selective: the matmul
     outputs (the router's fp32 logits; w1, w3 and w2's grouped outputs; the shared experts').
-    none, over the R = k x tokens rows: each row's input, the grouped w2 output and its weighted copy (3 x dim), the
-    SwiGLU's four hidden tensors (seven clamped: gpt-oss), their row and token indices (int64;
+    none, over the R = k x tokens rows: each row's input, the grouped w2 output and its weighted
+    copy (3 x dim), the SwiGLU's four hidden tensors (seven clamped: gpt-oss), their row and token indices (int64;
     with experts' biases also each row's expert) and weights; the router's fp32 scores and its
     sort's int64 indices, the top-k weights and their sum; in bf16 the router's fp32 copies of
     its input and weight, where the input itself (the norm's output, which the norms' count
