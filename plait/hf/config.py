@@ -192,7 +192,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     fields of the source folder's config.json (`source`, when the run started from one; its
     special token ids too) with every field plait computes written over them."""
     if args.family not in FAMILIES:
-        why = {"plait_moe": "DeepSeek-V3's router and shared experts come with an attention plait does not have",
+        why = {"plait_moe": "DeepSeek-V3's router and shared experts come with its latent attention: debug_mla "
+                            "exports as deepseek_v3",
                "plait_sinks": "Qwen3's shape with sinks is no published family's; debug_gpt_oss exports as gpt_oss"}
         raise ConfigError(f"checkpoint: a {args.family} model has no Hugging Face architecture plait writes "
                           f"({why.get(args.family, 'no family has its switches')}); exported families: "
