@@ -52,6 +52,9 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
             raise ConfigError(f"parallelism.{name}: must be >= 1, got {getattr(p, name)}")
     if cfg.model.max_seq_len < 0:
         raise ConfigError(f"model.max_seq_len: must be >= 0 (0 = the flavor's), got {cfg.model.max_seq_len}")
+    if cfg.model.mtp_layers not in (-1, 0, 1):
+        raise ConfigError(f"model.mtp_layers: {cfg.model.mtp_layers}; allowed: -1 (the flavor's or the folder's), 0 "
+                          "or 1 (DeepSeek-V3's one module)")
     if cfg.model.sliding_window < 0:
         raise ConfigError(f"model.sliding_window: must be >= 0 (0 = the flavor's), got {cfg.model.sliding_window}")
     if cfg.model.full_layers and not cfg.model.sliding_window:

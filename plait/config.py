@@ -51,6 +51,10 @@ class Model:
     blocks alternating)"""
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
+    mtp_layers: int = -1
+    """multi-token prediction modules (DeepSeek-V3's; 0 or 1): from the last block's output and the embedding of
+    token t+1 one more block predicts token t+2, its loss weighted by training.mtp_loss_weight; -1 = the
+    flavor's (1 for debug_mla and deepseek_v3_671b) or the Hugging Face folder's (when it holds the weights)"""
     attention_mask: Literal["document", "causal"] = "document"
     """document: a token attends only to earlier tokens of its own document (end-of-text tokens separate
     the packed documents) and RoPE positions restart at each; causal: across the whole packed sequence"""
@@ -109,6 +113,9 @@ class Training:
     moe_aux_loss_coef: float = 0.001
     """mixtures of experts with a softmax router: weight of the load-balancing loss (Switch Transformer's, the
     mean over MoE layers) added to the gradient; 0 = none (it is logged either way)"""
+    mtp_loss_weight: float = 0.3
+    """models with multi-token prediction (model.mtp_layers): the weight of its loss, added to the gradient
+    (DeepSeek-V3's 0.3, lowered to 0.1 for its last 4.8T tokens); logged as mtp_loss either way"""
     moe_bias_rate: float = 0.001
     """mixtures of experts with a sigmoid router: after each step every router bias moves by this towards
     balance (up for experts under the mean load, down above it; DeepSeek-V3's auxiliary-loss-free balancing)"""

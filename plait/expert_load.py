@@ -1,5 +1,6 @@
-"""The trainer's side of mixture-of-experts layers: the auxiliary loss's scale, each step's
-expert load gathered from every rank (logged, and what a sigmoid router's bias balances).
+"""The trainer's side of the losses a model adds to the gradient itself: mixture-of-experts
+layers' (the auxiliary loss's scale, each step's expert load gathered from every rank: logged,
+and what a sigmoid router's bias balances) and multi-token prediction's.
 """
 
 from __future__ import annotations
@@ -59,3 +60,25 @@ class ExpertLoad:
         # the mean over MoE layers x micro-batches x data-parallel ranks (every rank's forwards, summed)
         return {**({"aux_loss": aux[0].item() / round(aux[1].item())} if self.aux else {}),
                 "expert_load_min": int(extremes[0]), "expert_load_max": int(-extremes[1])}
+
+
+class FurtherTokens:
+    """Multi-token prediction's side: its loss's weight, each micro-batch's share (the model adds
+    it to the gradient: Transformer.predict_further), and per step its value `mtp_loss` (the mean
+    over micro-batches and data-parallel x cp ranks, each a mean over its own positions)."""
+
+    def __init__(self, model: nn.Module, forwards: int, weight: float, group: dist.ProcessGroup):
+        model = getattr(model, "module", model)  # (classic DDP's wrapper)
+        self.model, self.group = model, group
+        self.enabled = bool(len(getattr(model, "mtp", ())))
+        model.mtp_scale = weight / forwards
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        if not self.enabled:
+            return {}
+        records = self.model.mtp_records
+        total = torch.stack([torch.stack(records).sum(), torch.tensor(float(len(records)), device=records[0].device)])
+        dist.all_reduce(total, group=self.group)
+        records.clear()
+        return {"mtp_loss": total[0].item() / total[1].item()}

@@ -28,7 +28,7 @@ from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, open_loss_sets
-from plait.expert_load import ExpertLoad
+from plait.expert_load import ExpertLoad, FurtherTokens
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.hyperparameters import hf_start_lines
 from plait.metrics import summary
@@ -217,7 +217,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     cp = cfg.parallelism.cp
     layout = BatchLayout(cfg.model.attention_mask, attention_kernel(cfg), eos_id(corpus.tokenizer),
                          mesh["cp"].get_local_rank(), cp, cfg.parallelism.cp_kind == "ulysses",
-                         args.windows)
+                         args.windows, predicts_further=bool(args.mtp_layers))
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
     loader = BatchLoader(corpus.sources, corpus.weights, *shape, t.seed)
     evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None,
@@ -273,6 +273,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     forwards = microbatches(cfg) if pipeline else accum
     expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate, loss_mesh.get_group(),
                              pipeline.group if pipeline else None)
+    further = FurtherTokens(model, forwards, t.mtp_loss_weight, loss_mesh.get_group())
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     preemption = Preemption(device)
@@ -308,7 +309,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                         state_gib = state_memory_gib(model, optimizer)
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
-                experts = expert_load.step()
+                experts = expert_load.step() | further.step()
             evaluated = evaluation.run(step, model, pipeline, contexts, layout, groups, t.micro_batch_size,
                                        dp_mesh.get_local_rank(), dp_mesh.size(), device)
             if isinstance(probe, DtypeProbe):

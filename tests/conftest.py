@@ -180,7 +180,7 @@ DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
-MLA = ["--model.flavor", "debug_mla"]
+MLA, NO_MTP = ["--model.flavor", "debug_mla"], ["--model.mtp_layers", "0"]
 EP2 = ["--parallelism.ep", "2"]
 MUON = ["--optimizer.name", "muon"]
 
@@ -290,12 +290,14 @@ LAYOUTS = {
     "ep2_gpt_oss": (2, [*GPT_OSS, *EP2]),
     "pp_gpt_oss": (2, [*GPT_OSS, *PP2]),
     "cp_gpt_oss": (2, [*GPT_OSS, *CP2, "--training.micro_batch_size", "2"]),
-    # DeepSeek-V3 (debug_mla): latent attention, grouped sigmoid routing, a shared expert, block 0 dense
+    # DeepSeek-V3 (debug_mla): latent attention, grouped sigmoid routing, a shared expert, block 0 dense,
+    # multi-token prediction (but under TP and PP, which do not have it yet: against single_mla_no_mtp)
     "single_mla": (1, [*MLA, "--training.micro_batch_size", "2"]),
+    "single_mla_no_mtp": (1, [*MLA, *NO_MTP, "--training.micro_batch_size", "2"]),
     "fsdp2_mla": (2, [*MLA, *degrees(1, 2)]),
-    "tp_mla": (2, [*MLA, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "tp_mla": (2, [*MLA, *NO_MTP, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "ep2_mla": (2, [*MLA, *EP2]),
-    "pp_mla": (2, [*MLA, *PP2]),
+    "pp_mla": (2, [*MLA, *NO_MTP, *PP2]),
     "cp_mla": (2, [*MLA, *CP2, "--training.micro_batch_size", "2"]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
     # load-balancing loss is taken over each forward's tokens, so a row's reference forwards the
@@ -340,6 +342,8 @@ def reference(args: list[str]) -> str:
         return "single_moe_sigmoid"
     if MOE[1] in args:  # (the rows whose ranks forward 1 sequence at a time are named in ONE_PER_FORWARD)
         return "single_moe"
+    if MLA[1] in args:
+        return "single_mla_no_mtp" if NO_MTP[1] in args else "single_mla"
     if QWEN3[0] in args:
         return f"single_{args[args.index(QWEN3[0]) + 1].removeprefix('debug_')}{'_tied' * (TIED[0] in args)}"
     if FLOAT8[0] in args:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from plait.config import ConfigError
-from plait.hf.deepseek import deepseek_fields, deepseek_switches
+from plait.hf.deepseek import deepseek_fields, deepseek_switches, holds_mtp
 from plait.hf.defaults import DEFAULTS, ROPE_SCALING, setting
 from plait.models.flavors import ModelArgs
 
@@ -174,7 +174,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     theta, scaling = rope_settings(config, family, where)
     try:  # (sizes have no default: a missing one is refused by name)
         heads = config["num_attention_heads"]
-        return ModelArgs(dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
+        args = ModelArgs(dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
                          n_kv_heads=setting(config, family, "num_key_value_heads") or heads,
                          vocab_size=config["vocab_size"], ffn_hidden=config["intermediate_size"],
                          head_dim=setting(config, family, "head_dim") or config["hidden_size"] // heads,
@@ -184,6 +184,8 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                          **family_switches(config, family, where))
     except KeyError as e:
         raise ConfigError(f"{where} lacks {e.args[0]}") from None
+    # DeepSeek-V3's MTP module, where the folder holds its weights (transformers' saves do not)
+    return replace(args, mtp_layers=args.mtp_layers * holds_mtp(folder, args.n_layers)) if args.mtp_layers else args
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,
@@ -290,6 +292,8 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
         args = flavor_args(cfg.model.flavor.replace("auto", "debug"), tokenizer_vocab, cfg.model.n_layers)
         args = replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings,
                        max_seq_len=cfg.model.max_seq_len or args.max_seq_len)
+        if cfg.model.mtp_layers >= 0:
+            args = replace(args, mtp_layers=cfg.model.mtp_layers)
         if cfg.model.sliding_window:
             if not set(cfg.model.full_layers) <= set(range(args.n_layers)):
                 raise ConfigError(f"model.full_layers: {list(cfg.model.full_layers)}, but the model has blocks 0 to "
@@ -300,8 +304,8 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
     if cfg.model.tie_embeddings and not args.tie_embeddings:
         raise ConfigError(f"model.tie_embeddings: {folder} has an output layer of its own (tie_word_embeddings false)")
     if cfg.model.flavor != "auto":
-        flavor = replace(flavor_args(cfg.model.flavor, args.vocab_size, cfg.model.n_layers),
-                         tie_embeddings=args.tie_embeddings)  # a flavor names a shape, not the tying
+        flavor = replace(flavor_args(cfg.model.flavor, args.vocab_size, cfg.model.n_layers),  # a flavor names a
+                         tie_embeddings=args.tie_embeddings, mtp_layers=args.mtp_layers)  # shape, not these
         if describe_difference(flavor, args):
             raise ConfigError(f"model.flavor: {cfg.model.flavor} is not the model of {folder} "
                               f"({describe_difference(flavor, args)} in its config.json); leave model.flavor out to "
@@ -313,6 +317,11 @@ def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
             (args.sliding_window, args.full_layers):
         raise ConfigError(f"model.sliding_window: {folder}'s config.json sets the windows (sliding_window "
                           f"{args.sliding_window}, full blocks {list(args.full_layers)}); allowed: 0, or the same")
+    if cfg.model.mtp_layers == 0:  # (trained without the folder's MTP module; an export then has none)
+        args = replace(args, mtp_layers=0)
+    elif cfg.model.mtp_layers > args.mtp_layers:
+        raise ConfigError(f"model.mtp_layers: {cfg.model.mtp_layers}, but {folder} holds no multi-token prediction "
+                          "weights; allowed: -1 or 0")
     if cfg.model.n_layers not in (0, args.n_layers):
         raise ConfigError(f"model.n_layers: {cfg.model.n_layers}, but {folder} has {args.n_layers} blocks; allowed: "
                           f"0 or {args.n_layers}")

@@ -5,6 +5,11 @@ topk_method, moe_layer_freq) must say what transformers' DeepseekV3 computes, or
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
 from plait.config import ConfigError
 from plait.hf.defaults import setting
 from plait.models.flavors import ModelArgs
@@ -22,6 +27,10 @@ def deepseek_switches(config: dict, family: str, where: str) -> dict:
     if not setting(config, family, "rope_interleave"):
         raise ConfigError(f"{where} sets rope_interleave false (RoPE over halves of the rope entries); plait reads "
                           "DeepSeek's interleaved pairs; allowed: true")
+    mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 1)) or 0  # (transformers: 1)
+    if mtp > 1:
+        raise ConfigError(f"{where} sets num_nextn_predict_layers {mtp}; plait trains DeepSeek-V3's one MTP module; "
+                          "allowed: 0 or 1")
     groups, top_groups = setting(config, family, "n_group") or 1, setting(config, family, "topk_group") or 1
     experts, top_k = config.get("n_routed_experts"), setting(config, family, "num_experts_per_tok")
     if groups > 1 and experts and (experts % groups or experts // groups < 2 or not 1 <= top_groups <= groups
@@ -39,7 +48,25 @@ def deepseek_switches(config: dict, family: str, where: str) -> dict:
             "n_shared_experts": setting(config, family, "n_shared_experts"),
             "route_scale": float(setting(config, family, "routed_scaling_factor")),
             "normalize_top_k": bool(setting(config, family, "norm_topk_prob")),
+            "mtp_layers": mtp,
             "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0, "dense_layers": tuple(range(setting(config, family, "first_k_dense_replace")))}
+
+
+def holds_mtp(folder: Path, n_layers: int) -> bool:
+    """Whether a folder's weights include the MTP module (`model.layers.<n_layers>.eh_proj`): from
+    the index, or the safetensors headers (no tensor is read)."""
+    name = f"model.layers.{n_layers}.eh_proj.weight"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return name in json.loads(index.read_text()).get("weight_map", {})
+        except (OSError, json.JSONDecodeError):
+            return False  # (weights.py refuses the unreadable index by name)
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as weights:
+            if name in weights.keys():
+                return True
+    return False
 
 
 def deepseek_fields(args: ModelArgs) -> dict:
@@ -57,4 +84,5 @@ def deepseek_fields(args: ModelArgs) -> dict:
             "moe_intermediate_size": args.moe_hidden, "n_shared_experts": args.n_shared_experts,
             "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.normalize_top_k,
             "n_group": args.n_groups or 1, "topk_group": args.topk_groups or 1,
-            "first_k_dense_replace": len(args.dense_layers), "rope_interleave": True}
+            "first_k_dense_replace": len(args.dense_layers), "rope_interleave": True,
+            "num_nextn_predict_layers": args.mtp_layers}

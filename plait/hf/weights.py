@@ -24,6 +24,10 @@ Parameter names (plait -> Hugging Face):
                                                (transposed; gate and up columns interleaved), w2 -> down_proj
                                                [E, hidden, dim] (transposed), b1/b3 -> gate_up_proj_bias
                                                (interleaved), b2 -> down_proj_bias
+             mtp.0.block.* (the MTP module's block) -> model.layers.<n_layers>.* as a block's, mtp.0.enorm/hnorm/
+                                               eh_proj -> model.layers.<n_layers>.enorm/hnorm/eh_proj, mtp.0.norm ->
+                                               model.layers.<n_layers>.shared_head.norm (export also writes
+                                               its copies of the embedding and output layer there)
     layers.N.attention_norm.weight          -> model.layers.N.input_layernorm.weight
                                                (post_norm: post_attention_layernorm.weight)
     layers.N.ffn_norm.weight                -> model.layers.N.post_attention_layernorm.weight
@@ -44,6 +48,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -86,8 +91,21 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+MTP_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
+
+
+def mtp_as_layer(name: str, args: ModelArgs) -> str:
+    """An MTP module's parameter under the name of the block it is (`layers.<n_layers + k>.`):
+    DeepSeek-V3 stores it as one more layer. Other names as they are."""
+    if not name.startswith("mtp."):
+        return name
+    _, k, rest = name.split(".", 2)
+    return f"layers.{args.n_layers + int(k)}.{rest.removeprefix('block.') if rest.startswith('block.') else rest}"
+
+
 def hf_names(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face tensors of a plait parameter: one, or an expert tensor's E slices."""
+    name = mtp_as_layer(name, args)
     index, rest = LAYER.match(name).groups() if name not in TOP_NAMES else (None, "")
     if args.family == "gpt_oss" and rest.startswith("feed_forward.experts."):
         return [f"model.layers.{index}.mlp.experts.{GPT_OSS_EXPERTS[rest.rsplit('.', 1)[1]][0]}"]
@@ -103,6 +121,8 @@ def hf_name(name: str, args: ModelArgs) -> str:
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     index, rest = LAYER.match(name).groups()
+    if int(index) >= args.n_layers and rest.rsplit(".", 1)[0] in MTP_NAMES:  # (the MTP module's own)
+        return f"model.layers.{index}.{MTP_NAMES[rest.rsplit('.', 1)[0]]}.{rest.rsplit('.', 1)[1]}"
     if rest == ROUTER_BIAS:
         return f"model.layers.{index}.mlp.gate.e_score_correction_bias"
     module, kind = rest.rsplit(".", 1)
@@ -167,6 +187,10 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
             tensors[hf] = piece.to(dtype).contiguous()
+    for k in range(args.mtp_layers):  # DeepSeek-V3's MTP layer holds copies of the embedding and output layer
+        tensors[f"model.layers.{args.n_layers + k}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+        tensors[f"model.layers.{args.n_layers + k}.shared_head.head.weight"] = \
+            tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0  # of the last shard
     for name, tensor in tensors.items():
@@ -212,7 +236,8 @@ def weight_files(folder: Path, option: str) -> dict[str, Path]:
 def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     """Fail with one line unless `folder` holds the model `args` and every weight of it; reads
     the config and the safetensors headers only. Returns the weight files."""
-    differ = describe_difference(hf_model_args(folder, option), args)
+    theirs = hf_model_args(folder, option)
+    differ = describe_difference(replace(theirs, mtp_layers=min(theirs.mtp_layers, args.mtp_layers)), args)
     if differ:
         raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
@@ -234,7 +259,8 @@ def buffer_names(args: ModelArgs) -> list[str]:
     """The buffers a family's folder holds (DeepSeek-V3's routers' balancing biases)."""
     if args.family != "deepseek_v3":
         return []
-    return [f"layers.{i}.{ROUTER_BIAS}" for i in range(args.n_layers) if args.sparse(i)]
+    return [f"layers.{i}.{ROUTER_BIAS}" for i in range(args.n_layers) if args.sparse(i)] + \
+        [f"mtp.{k}.block.{ROUTER_BIAS}" for k in range(args.mtp_layers) if args.sparse(args.n_layers + k)]
 
 
 class HFWeights(Mapping):

@@ -75,6 +75,9 @@ class ModelArgs:
     # the topk_groups groups whose two best (biased) scores sum highest (0: no groups).
     n_groups: int = 0
     topk_groups: int = 0
+    # DeepSeek-V3's multi-token prediction: mtp_layers (0 or 1) more blocks after the last; from
+    # the last block's output and the embedding of token t+1 one predicts token t+2 (training only).
+    mtp_layers: int = 0
 
     def __post_init__(self):
         # (a manifest's JSON gives a list back)
@@ -212,7 +215,8 @@ FLAVORS = {
     "debug_mla": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=0, ffn_hidden=256, norm_eps=1e-6,
                            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
                            n_experts=8, top_k=2, moe_hidden=64, n_shared_experts=1, router="sigmoid",
-                           route_scale=2.5, n_groups=4, topk_groups=2, dense_layers=(0,), family="deepseek_v3",
+                           route_scale=2.5, n_groups=4, topk_groups=2, dense_layers=(0,), mtp_layers=1,
+                           family="deepseek_v3",
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
     "deepseek_v3_16b": ModelArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=102400,
@@ -224,7 +228,7 @@ FLAVORS = {
                                   ffn_hidden=18432, norm_eps=1e-6, max_seq_len=163840, q_lora_rank=1536,
                                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                   n_experts=256, top_k=8, moe_hidden=2048, n_shared_experts=1, router="sigmoid",
-                                  route_scale=2.5, n_groups=8, topk_groups=4, dense_layers=(0, 1, 2),
+                                  route_scale=2.5, n_groups=8, topk_groups=4, dense_layers=(0, 1, 2), mtp_layers=1,
                                   family="deepseek_v3", rope_scaling=DEEPSEEK_YARN),
     "kimi_k2_1t": ModelArgs(dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, vocab_size=163840, ffn_hidden=18432,
                             norm_eps=1e-6, rope_theta=50000.0, max_seq_len=131072, q_lora_rank=1536, kv_lora_rank=512,

@@ -19,7 +19,7 @@ from plait.models.attention import Attention, KVCache
 from plait.models.flavors import ModelArgs
 from plait.models.latent_attention import LatentAttention
 from plait.models.mlp import FeedForward
-from plait.models.moe import EXPERT_BIASES, MoE, moe_layers
+from plait.models.moe import EXPERT_BIASES, AuxLoss, MoE, in_backward, moe_layers
 from plait.models.norms import RMSNorm
 from plait.models.rope import rope_table
 
@@ -41,6 +41,23 @@ class TransformerBlock(nn.Module):
             return x + self.ffn_norm(self.feed_forward(x))
         x = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TokenPredictor(nn.Module):
+    """DeepSeek-V3's multi-token prediction module: from a block output h_i and the embedding of
+    token t+1 it predicts token t+2 through one more block (`index`: its place after the
+    model's), the model's own embedding and output layer (shared, not copied):
+    block(eh_proj([enorm(embedding); hnorm(h)])), then `norm` before the output layer."""
+
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        self.enorm, self.hnorm = RMSNorm(args.dim, args.norm_eps), RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = TransformerBlock(args, index)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+        return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], -1)), rope, mask=mask)
 
 
 class TiedOutput(nn.Module):
@@ -67,8 +84,18 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = TiedOutput(self.tok_embeddings) if args.tie_embeddings else \
             nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Training only (generation and evaluation forward without `next_tokens`); its losses, each
+        # forward's, are added to the gradient (scale: mtp_scale, which the trainer sets) and
+        # recorded for the step's metric.
+        self.mtp = nn.ModuleDict({str(k): TokenPredictor(args, args.n_layers + k) for k in range(args.mtp_layers)})
+        self.mtp_scale, self.mtp_records = 0.0, []
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.reset_buffers()
+
+    def blocks(self) -> list[TransformerBlock]:
+        """Every block: the model's, then its MTP modules' (each block is a unit of its own to
+        sharding, compilation and context parallelism's hooks)."""
+        return [*self.layers.values(), *(predictor.block for predictor in self.mtp.values())]
 
     def reset_buffers(self) -> None:
         """(Re)compute the RoPE table: after `to_empty` a non-persistent buffer holds garbage."""
@@ -80,20 +107,37 @@ class Transformer(nn.Module):
                 moe.router.bias.zero_()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                mask=None) -> torch.Tensor:
+                mask=None, next_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
         `mask` (plait/models/masking.py): which keys each query sees: None = causal over the
         sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMask (a dict
-        of them by window, where blocks differ in their window)."""
+        of them by window, where blocks differ in their window). `next_tokens`: (token t+1, token
+        t+2) at each position (-100: none), for multi-token prediction's loss."""
         # A pipeline stage lacks some parts: what it lacks, the activations pass through.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         start = cache.length if cache is not None else 0
         rope = self.rope[positions] if positions is not None else self.rope[start:]
         for layer in self.layers.values():
             x = layer(x, rope, mask=mask, cache=cache)
+        if next_tokens is not None and len(self.mtp) and torch.is_grad_enabled():
+            x = self.predict_further(x, rope, mask, *next_tokens)
         if cache is not None:
             cache.advance(tokens.shape[1])
         return self.output(self.norm(x)) if self.output is not None else x
+
+    def predict_further(self, h: torch.Tensor, rope: torch.Tensor, mask, following: torch.Tensor,
+                        targets: torch.Tensor) -> torch.Tensor:
+        """h, with the MTP loss's gradient (times mtp_scale) joined to it in backward: the cross-
+        entropy of token t+2 summed over the positions that have one and divided by all of them
+        (so that the ranks of context parallelism, each a mean over its chunks, average to the
+        sequence's loss)."""
+        predictor = self.mtp["0"]
+        out = predictor(h, self.tok_embeddings(following), rope, mask)
+        logits = self.output(predictor.norm(out))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / targets.numel()
+        if torch.compiler.is_compiling() or not in_backward():  # (once per step's forward, not in a recompute)
+            self.mtp_records.append(loss.detach())
+        return AuxLoss.apply(h, loss, self.mtp_scale)
 
     def init_std(self, name: str) -> float | None:
         """Init scale of parameter `name`: None = ones (norms), 0 = zeros (biases), else a
@@ -168,8 +212,9 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """
     with torch.device("meta"):
         n = num_params(Transformer(args), exclude_embedding=True, active=True)
-    tied_output = args.vocab_size * args.dim if args.tie_embeddings else 0  # a matmul, though no parameter of its own
-    keys = sum(min(seq_len, args.window(block) or seq_len) for block in range(args.n_layers))
+    # a matmul, though no parameter of its own: a tied output layer, and the output layer's use by each MTP module
+    tied_output = args.vocab_size * args.dim * (args.tie_embeddings + args.mtp_layers)
+    keys = sum(min(seq_len, args.window(block) or seq_len) for block in range(args.n_layers + args.mtp_layers))
     width = args.n_heads * (args.head_dim + args.v_head_dim) / 2 if args.kv_lora_rank else args.dim
     return 6 * (n + tied_output) + 12 * width * keys
 

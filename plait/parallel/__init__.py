@@ -54,7 +54,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     if cfg.compile.enable and backend != "simple_fsdp":
         # Compile each block's (checkpointed) forward in place: FQNs stay those of the plain model, and the
         # hooks that sharding adds around the module call stay outside the compiled graph.
-        for block in model.layers.values():
+        for block in model.blocks():
             block.forward = compiled_forward(block)
     if cfg.parallelism.tp > 1:  # start-up refuses TP with classic DDP
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)

@@ -133,12 +133,13 @@ class BatchLayout:
     causal mask without cp, the batch as it is (SDPA's causal path); else RoPE positions and a
     mask (plait/models/masking.py) for this rank's share of the sequence. Under Ulysses
     (`whole_sequences`: attention meets whole sequences) the causal mask needs no mask either.
-    FlexAttention gets a BlockMask per attention window of the model (`windows`, 0 = none)."""
+    FlexAttention gets a BlockMask per attention window of the model (`windows`, 0 = none). A model
+    that predicts further tokens (multi-token prediction) gets tokens t+1 and t+2 of each position."""
 
     def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int, whole_sequences: bool = False,
-                 windows: tuple[int, ...] = (0,)):
+                 windows: tuple[int, ...] = (0,), predicts_further: bool = False):
         self.document, self.kernel, self.eos, self.rank, self.cp = mask == "document", kernel, eos, cp_rank, cp
-        self.whole_sequences, self.windows = whole_sequences, windows
+        self.whole_sequences, self.windows, self.predicts_further = whole_sequences, windows, predicts_further
 
     def flex_masks(self, documents: torch.Tensor, queries: torch.Tensor):
         if self.windows == (0,):
@@ -146,6 +147,15 @@ class BatchLayout:
         return {window: block_mask(documents, queries, window) for window in self.windows}
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        mine, my_labels, kwargs = self.split(inputs, labels)
+        if self.predicts_further:  # multi-token prediction: tokens t+1 and t+2 (-100 past the sequence's end)
+            further = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+            if self.cp > 1:  # (shifted on the whole sequence: a chunk's last t+2 is the next chunk's)
+                further = further[:, chunk_indices(labels.shape[1], self.rank, self.cp, labels.device)]
+            kwargs["next_tokens"] = (my_labels, further)
+        return mine, my_labels, kwargs
+
+    def split(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if not self.document and self.cp == 1:
             return inputs, labels, {}
         batch, seq = inputs.shape
@@ -235,7 +245,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
         return ranks_to_heads(rank_order(out, cp, 2) if kind == "ulysses" else out, n, heads_group)
 
     pre_hook = {"allgather": whole_sequence, "ulysses": head_shards, "hybrid": head_shards_then_keys}[kind]
-    for block in model.layers.values():
+    for block in model.blocks():
         block.attention.core.register_forward_pre_hook(pre_hook)
         if kind != "allgather":
             block.attention.core.register_forward_hook(back_to_chunks)

@@ -27,7 +27,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelin
     """`experts`: the experts' mesh under expert parallelism (plait/parallel/expert_parallel.py)."""
     if precision.one_device:
         if precision.mode == "param" and precision.compute != torch.float32:
-            blocks = list(model.layers.values())
+            blocks = model.blocks()
             for block in blocks:
                 CastUnit(block, precision.compute)
             CastUnit(model, precision.compute, inner=blocks)
@@ -46,7 +46,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: Precision, pipelin
     # On a 2-D mesh FSDP2 takes its HSDP path and all-reduces gradients over dp_replicate even
     # when that group is one rank (about 1 MiB per step on the debug model, seen in traces).
     dp_mesh = mesh[shard] if mesh["dp_replicate"].size() == 1 else mesh[("dp_replicate", shard)]
-    blocks = list(model.layers.values())
+    blocks = model.blocks()
     for i, block in enumerate(blocks):
         reshard = sharded and i < len(blocks) - 1
         if experts is not None and isinstance(block.feed_forward, MoE):

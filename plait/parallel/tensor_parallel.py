@@ -48,6 +48,9 @@ def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
     tp, p = cfg.parallelism.tp, cfg.parallelism
     if tp == 1:
         return
+    if args.mtp_layers:
+        raise ConfigError("parallelism.tp: plait's TP plan does not cover the multi-token prediction module yet; "
+                          "allowed with tp > 1: model.mtp_layers 0")
     sizes = {"model n_heads": args.n_heads, "model n_kv_heads": args.n_kv_heads, "model FFN hidden size": args.ffn_hidden}
     if p.loss_parallel:
         sizes["vocabulary size (parallelism.loss_parallel)"] = args.vocab_size
