@@ -188,9 +188,9 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
             tensors[hf] = piece.to(dtype).contiguous()
     for k in range(args.mtp_layers):  # DeepSeek-V3's MTP layer holds copies of the embedding and output layer
-        tensors[f"model.layers.{args.n_layers + k}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+        tensors[f"model.layers.{args.n_layers + k}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[f"model.layers.{args.n_layers + k}.shared_head.head.weight"] = \
-            tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+            tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).clone()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0  # of the last shard
     for name, tensor in tensors.items():

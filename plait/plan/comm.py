@@ -155,4 +155,5 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     if args.n_experts:  # the step's expert load (int64 per layer and expert) and auxiliary loss; their pp reductions
         moe_blocks = sum(map(args.sparse, block_indices(blocks)))
         out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 8 + (8 + 16) * (p.pp > 1)
+    out["step", "all_reduce", "scalars"] += 8 * bool(args.mtp_layers)  # the MTP loss and its forwards (fp32)
     return out

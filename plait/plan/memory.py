@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +89,12 @@ def stage_blocks(args: ModelArgs, cfg: JobConfig, stage: int) -> range:
 
 @functools.cache
 def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter; a multi-token prediction module's block named as the
+    block after the model's (`layers.<n_layers + k>`: a unit of its own, as FSDP2 wraps it)."""
     with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+        params = Transformer(args).named_parameters()
+    return {re.sub(r"^mtp\.(\d+)\.block\.", lambda m: f"layers.{args.n_layers + int(m[1])}.", name): tuple(p.shape)
+            for name, p in params}
 
 
 def rank_parameters(args: ModelArgs, cfg: JobConfig, stages: list[int] | None) -> dict[str, tuple[int, ...]]:
@@ -302,9 +307,23 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     if last:
         vocab = args.vocab_size // tp
         total += tokens // tp * (8 * args.dim + 4) + tokens * (e * args.dim + 4 * vocab) + 8
+        total += args.mtp_layers * mtp_bytes(args, cfg, tokens, e)
     else:  # the schedule keeps the stage's output (the sequence shard under TP) for its backward
         total += tokens * args.dim // tp * e
     return total
+
+
+def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
+    """What a multi-token prediction module keeps (never checkpointed; no TP): its embedding's
+    norm (the fp32 embedding and normalised values, 1/rms), the last block output's norm (its
+    normalised values and 1/rms, and in bf16 its fp32 copy: the fp32 input is the final norm's
+    too), eh_proj's input (both norms' outputs joined), its block, and its output norm and loss as
+    the model's own."""
+    d, block = args.dim, args.n_layers
+    own = (8 * d + 4) + (4 * d + 4 + 4 * d * (e != 4)) + 2 * e * d + (8 * d + 4) + e * d + 4 * args.vocab_size
+    return tokens * own + 8 + block_activation_bytes(args, tokens, e, "none", 1, masked(cfg, args.own_mask(block)),
+                                                     cfg.parallelism.cp, args.sparse(block), ulysses_degree(cfg),
+                                                     window_tail_keys(args, cfg, block, tokens))
 
 
 def window_tail_keys(args: ModelArgs, cfg: JobConfig, block: int, tokens: int) -> int:

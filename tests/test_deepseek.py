@@ -1,0 +1,137 @@
+"""DeepSeek-V3's pieces that no other family has: multi-token prediction's loss against a
+per-token reference, its weights in and out of a Hugging Face folder, and the refusals.
+Latent attention's logits against transformers are in test_families, its layouts in the parity
+matrix (conftest's *_mla rows), its routing in test_moe."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY
+from plait.arguments import parse_args
+from plait.checks import check_options
+from plait.config import ConfigError
+from plait.models.flavors import model_args
+from plait.models.transformer import Transformer, cross_entropy
+from plait.models.weights import init_weights
+
+
+def mtp_model() -> Transformer:
+    model = Transformer(model_args("debug_mla", 320))
+    init_weights(model, seed=3)
+    with torch.no_grad():  # norm weights away from 1: a norm applied to the wrong tensor must show
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def test_mtp_loss_and_its_gradient_equal_a_per_token_reference():
+    """At each position t of each sequence: the MTP module joins the RMSNorm of the embedding of
+    token t+1 and of the last block's output at t (that order: DeepSeek's eh_proj), runs its block
+    over the sequence, and predicts token t+2 through its norm and the shared output layer. The
+    loss is the sum over positions with a token t+2 divided by all positions; the gradient is that
+    of loss + mtp_loss_weight x MTP loss."""
+    torch.manual_seed(0)
+    model, weight = mtp_model(), 0.3
+    tokens = torch.randint(0, 320, (2, 24))
+    labels = torch.randint(0, 320, (2, 24))
+    further = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    model.mtp_scale = weight
+    loss = cross_entropy(model(tokens, next_tokens=(labels, further)), labels)
+    loss.backward()
+    measured, grads = model.mtp_records[0], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    outputs = {}
+    model.layers["1"].register_forward_hook(lambda module, args, out: outputs.setdefault("h", out))
+    main = cross_entropy(model(tokens), labels)
+    h, predictor = outputs["h"], model.mtp["0"]
+    joined = torch.stack([torch.stack([predictor.eh_proj(torch.cat([
+        predictor.enorm(model.tok_embeddings.weight[labels[b, t]]), predictor.hnorm(h[b, t])]))
+        for t in range(24)]) for b in range(2)])
+    out = predictor.block(joined, model.rope)
+    total = torch.zeros(())
+    for b in range(2):
+        for t in range(23):  # the last position has no token t+2
+            logits = model.output.weight @ predictor.norm(out[b, t])
+            total = total + F.cross_entropy(logits[None], labels[b, t + 1][None])
+    reference = total / (2 * 24)
+    (main + weight * reference).backward()
+    assert torch.allclose(measured, reference.detach(), rtol=1e-5, atol=0), (measured, reference)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert grads["mtp.0.eh_proj.weight"].abs().sum() > 0
+
+
+def test_mtp_weights_in_and_out_of_a_deepseek_v3_folder(tmp_path):
+    """The MTP module is DeepSeek-V3's layer <n_layers> of a folder (transformers ignores it; its
+    logits are the model's without it): read when present, written back bitwise with its copies of
+    the embedding and output layer; a folder without it (transformers' saves) trains without."""
+    from safetensors.torch import load_file
+
+    from plait import hf
+    from plait.hf.config import hf_config
+    from plait.hf.weights import write_weights
+    from plait.models.weights import fill_weights
+
+    model = mtp_model()
+    state = model.state_dict()
+    write_weights(state, model.args, tmp_path / "a", torch.float32, 1 << 30)
+    (tmp_path / "a" / "config.json").write_text(json.dumps(hf_config(model.args, torch.float32, None, 0)))
+    written = load_file(tmp_path / "a" / "model.safetensors")
+    assert torch.equal(written["model.layers.2.eh_proj.weight"], state["mtp.0.eh_proj.weight"])
+    assert torch.equal(written["model.layers.2.shared_head.norm.weight"], state["mtp.0.norm.weight"])
+    assert torch.equal(written["model.layers.2.self_attn.kv_b_proj.weight"], state["mtp.0.block.attention.wkv_b.weight"])
+    assert torch.equal(written["model.layers.2.embed_tokens.weight"], state["tok_embeddings.weight"])
+    assert torch.equal(written["model.layers.2.shared_head.head.weight"], state["output.weight"])
+
+    args = hf.model_args(tmp_path / "a", "checkpoint.load")
+    assert args == model.args
+    weights = hf.HFWeights(tmp_path / "a", args, "checkpoint.load")
+    again = Transformer(args)
+    fill_weights(again, lambda name, shape: weights[name], weights.buffers)
+    write_weights(again.state_dict(), args, tmp_path / "b", torch.float32, 1 << 30)
+    back = load_file(tmp_path / "b" / "model.safetensors")
+    assert written.keys() == back.keys() and all(torch.equal(written[k], back[k]) for k in written)
+
+    for name in [n for n in written if n.startswith("model.layers.2.")]:
+        del written[name]
+    from safetensors.torch import save_file
+
+    save_file(written, str(tmp_path / "a" / "model.safetensors"))
+    assert hf.model_args(tmp_path / "a", "checkpoint.load").mtp_layers == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism.tp", "2"], "parallelism.tp: plait's TP plan does not cover the multi-token prediction module"),
+    (["--parallelism.pp", "2"], "parallelism.pp: multi-token prediction reads the embedding"),
+    (["--model.mtp_layers", "2"], "model.mtp_layers: 2; allowed: -1"),
+])
+def test_what_multi_token_prediction_cannot_do_is_refused_at_start_up(argv, message):
+    from plait.hf.config import job_model
+    from plait.parallel.tensor_parallel import check_divisibility
+
+    with pytest.raises(ConfigError, match=message):
+        cfg = check_options(parse_args([*TINY, "--model.flavor", "debug_mla", *argv]), world=2)
+        check_divisibility(job_model(cfg, 256), cfg)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_interleave": False}, "sets rope_interleave false"),
+    ({"scoring_func": "softmax"}, "sets scoring_func 'softmax'"),
+    ({"topk_method": "group_limited_greedy"}, "sets topk_method 'group_limited_greedy'"),
+    ({"n_group": 3}, "sets n_group 3, topk_group 2 for 8 experts"),
+    ({"num_nextn_predict_layers": 2}, "sets num_nextn_predict_layers 2"),
+])
+def test_deepseek_configs_plait_does_not_compute_are_refused_by_name(tmp_path, change, message):
+    from plait import hf
+
+    config = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "vocab_size": 320, "n_routed_experts": 8, "moe_intermediate_size": 32,
+              "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ConfigError, match=message):
+        hf.model_args(tmp_path, "checkpoint.load")
