@@ -19,8 +19,8 @@ from typing import Literal
 Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b", "debug_qwen3", "debug_qwen2",
                  "debug_olmo2", "debug_sliding", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b",
                  "debug_moe", "debug_moe_sigmoid", "small_moe", "small_moe_dense", "qwen3_30b_a3b", "qwen3_235b_a22b",
-                 "debug_gpt_oss", "gpt_oss_20b", "gpt_oss_120b", "debug_mla", "deepseek_v3_16b", "deepseek_v3_671b",
-                 "kimi_k2_1t"]
+                 "debug_gpt_oss", "gpt_oss_20b", "gpt_oss_120b", "debug_mla", "small_mla", "small_mla_gqa",
+                 "deepseek_v3_16b", "deepseek_v3_671b", "kimi_k2_1t"]
 ModelFlavor = Literal["auto", Flavor]
 
 
@@ -36,8 +36,8 @@ class Model:
     switches (debug_qwen3, debug_qwen2, debug_olmo2; debug_sliding: windows and sinks); mixtures of experts:
     debug_moe (Qwen3-MoE's switches), debug_moe_sigmoid (DeepSeek-V3's router), small_moe (and
     small_moe_dense, its dense twin of equal active parameters), qwen3_30b_a3b, qwen3_235b_a22b, gpt-oss
-    (debug_gpt_oss, gpt_oss_20b, gpt_oss_120b), DeepSeek-V3's latent attention (debug_mla, deepseek_v3_16b,
-    deepseek_v3_671b, kimi_k2_1t); auto: the config.json of a Hugging Face folder given as
+    (debug_gpt_oss, gpt_oss_20b, gpt_oss_120b), DeepSeek-V3's latent attention (debug_mla, small_mla and
+    small_mla_gqa, its twin with grouped-query attention, deepseek_v3_16b, deepseek_v3_671b, kimi_k2_1t); auto: the config.json of a Hugging Face folder given as
     --checkpoint.load, else debug"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""

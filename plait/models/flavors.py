@@ -219,6 +219,11 @@ FLAVORS = {
                            family="deepseek_v3",
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # A CPU benchmark size (small_moe's width and experts) and its twin with grouped-query attention
+    "small_mla": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=0, ffn_hidden=1024,
+                           kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_experts=8,
+                           top_k=2, moe_hidden=256, n_shared_experts=1, router="sigmoid", route_scale=2.5, n_groups=4,
+                           topk_groups=2, dense_layers=(0,), mtp_layers=1, family="deepseek_v3"),
     "deepseek_v3_16b": ModelArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=102400,
                                  ffn_hidden=10944, norm_eps=1e-6, max_seq_len=4096, kv_lora_rank=512,
                                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=64, top_k=6,
@@ -243,6 +248,10 @@ FLAVORS = {
     "llama3_405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                              multiple_of=4096, ffn_dim_multiplier=1.2, rope_theta=500000.0),
 }
+
+# small_mla with grouped-query attention of its query heads' width (head_dim 64, 4 key/value heads)
+FLAVORS["small_mla_gqa"] = replace(FLAVORS["small_mla"], n_kv_heads=4, head_dim=64, kv_lora_rank=0, qk_nope_head_dim=0,
+                                   qk_rope_head_dim=0, v_head_dim=0, family="plait_moe")
 
 
 def model_args(flavor: str, tokenizer_vocab: int, n_layers: int = 0) -> ModelArgs:

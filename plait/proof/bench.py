@@ -43,18 +43,20 @@ from plait.proof.trace import idle_fractions, phase_seconds, summarise
 Row = Literal["raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "ddp_classic", "fsdp2", "simple_fsdp",
               "simple_fsdp_compiled", "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
               "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled",
-              "ep", "dense_twin", "single_muon", "fsdp2_muon"]
+              "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon"]
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
 # 1/world of DDP's state per rank; a pipeline stage 1/pp of the single device's.
 STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp_classic"), "pp": ("single",)}
 # A mixture of experts' dense model of equal active parameters (the dense_twin row), beside its FSDP2 and EP rows.
 DENSE_TWINS = {"small_moe": "small_moe_dense"}
+# A latent-attention model's twin with grouped-query attention (the attention_twin row)
+ATTENTION_TWINS = {"small_mla": "small_mla_gqa"}
 # The raw loops (plait/proof/baseline.py): row -> the loop's own options.
 RAW = {"raw_pytorch": [], "transformers": ["--model", "transformers"], "raw_fsdp2": []}
 # Rows plait plan predicts (it models fully_shard, eager, without float8: not the raw loops, classic DDP,
 # SimpleFSDP, compiled or float8 rows).
 PREDICTED = ("single", "ddp", "fsdp2", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "pp",
-             "pp_fsdp2", "cp", "ep", "dense_twin", "single_muon", "fsdp2_muon")
+             "pp_fsdp2", "cp", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon")
 # Rows `--compile` measures compiled as well (each block compiled, in plait and in the loops alike).
 COMPILABLE = ("raw_pytorch", "transformers", "single", "raw_fsdp2", "fsdp2")
 
@@ -130,6 +132,8 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         # mixtures of experts only: experts split over the FSDP2 ranks; the dense twin as FSDP2
         "ep": (f"EP{n} over FSDP2({n})", nproc, ["--parallelism.dp_shard", n, "--parallelism.ep", n]),
         "dense_twin": ("FSDP2, the dense twin (equal active parameters)", nproc, ["--parallelism.dp_shard", n]),
+        "attention_twin": ("FSDP2, its twin with grouped-query attention", nproc, ["--parallelism.dp_shard", n]),
+        "no_mtp": ("FSDP2 without multi-token prediction", nproc, ["--parallelism.dp_shard", n, "--model.mtp_layers", "0"]),
         "single_muon": ("single device, Muon", 1, ["--optimizer.name", "muon"]),
         "fsdp2_muon": ("FSDP2, Muon", nproc, ["--parallelism.dp_shard", n, "--optimizer.name", "muon"]),
     }
@@ -141,6 +145,10 @@ def applies(key: str, flavor: str, attention_mask: str) -> str:
         return "it needs a mixture of experts (e.g. --flavor small_moe)"
     if key == "dense_twin" and flavor not in DENSE_TWINS:
         return f"only {', '.join(DENSE_TWINS)} has a dense twin"
+    if key == "attention_twin" and flavor not in ATTENTION_TWINS:
+        return f"only {', '.join(ATTENTION_TWINS)} has a twin of another attention"
+    if key == "no_mtp" and not FLAVORS[flavor].mtp_layers:
+        return "it needs multi-token prediction (e.g. --flavor small_mla)"
     if key == "transformers":
         if importlib.util.find_spec("transformers") is None:
             return "transformers is not installed (pip install -e '.[test]')"
@@ -244,8 +252,8 @@ def predicted_tokens_per_sec(cfg: BenchConfig, flavor: str, world: int, flags: l
 def measure(cfg: BenchConfig, flavor: str, key: str, dtypes: tuple[str, ...], folder: Path) -> dict:
     """One run of a row in each precision (compiled as well where asked): {dtype_metric: value}."""
     name, world, flags = layouts(cfg.nproc)[key]
-    if key == "dense_twin":
-        flags = [*flags, "--model.flavor", DENSE_TWINS[flavor]]
+    if key in ("dense_twin", "attention_twin"):
+        flags = [*flags, "--model.flavor", {**DENSE_TWINS, **ATTENTION_TWINS}[flavor]]
     row = {}
     for dtype in dtypes:
         print(f"bench: {flavor}, {name}, {dtype} ...", file=sys.stderr, flush=True)
