@@ -77,7 +77,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # backward, where a checkpointed block's recompute sends the four again. The trace counts
         # each buffer whole.
         kv = ulysses_kv_heads(args.n_kv_heads // p.tp, n)
-        one = passes * tokens * 2 * (args.n_heads // p.tp + kv) * args.head_dim * e
+        one = passes * tokens * (args.n_heads // p.tp + kv) * (args.head_dim + args.v_head_dim) * e
         out["forward", "all_to_all", "cp"] += len(blocks) * one
         out["backward", "all_to_all", "cp"] += (len(blocks) + recomputed) * one
     if 1 < p.cp != n:
