@@ -223,15 +223,17 @@ def test_experts_multiply_in_bf16_and_the_router_in_fp32(train_once):
 
 @pytest.mark.parametrize("name", ["fsdp2_mla", "tp_mla"])
 def test_latent_attention_runs_in_bf16_and_its_router_in_fp32(train_once, name):
-    """DeepSeek-V3's bf16 runs (debug_mla: one MoE block of two): every matmul and attention of
+    """DeepSeek-V3's bf16 runs (debug_mla: one MoE block of two, and the MTP module's): every matmul and attention of
     forward and backward in bf16 (latent projections, heads, experts, shared expert; attention
     in SDPA's fused kernel, its narrower values padded) but the router's: its fp32 scores (one
     matmul in forward) and their gradients (two in backward: its input's and weight's)."""
     _, probe = layout_run(train_once, name, BF16)
     rows = [r for r in probe if r["kind"] in ("matmul", "attention")]
     fp32 = [(r["phase"], r["op"], r["count"]) for r in rows if r["dtypes"] != "bfloat16"]
-    passes = {"fsdp2_mla": 1, "tp_mla": 2}[name]  # micro-batches per rank and step
-    assert fp32 == [("backward", "mm", 2 * passes), ("forward", "mm", passes)], probe
+    # router forwards per rank and step: FSDP2 one micro-batch through a MoE block and the MTP
+    # module's; TP (no MTP) two micro-batches through one MoE block
+    routers = {"fsdp2_mla": 2, "tp_mla": 2}[name]
+    assert fp32 == [("backward", "mm", 2 * routers), ("forward", "mm", routers)], probe
     assert {r["op"] for r in rows if r["kind"] == "attention"} == {"_scaled_dot_product_flash_attention_for_cpu"}
 
 

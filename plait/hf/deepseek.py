@@ -48,8 +48,8 @@ def deepseek_switches(config: dict, family: str, where: str) -> dict:
             "n_shared_experts": setting(config, family, "n_shared_experts"),
             "route_scale": float(setting(config, family, "routed_scaling_factor")),
             "normalize_top_k": bool(setting(config, family, "norm_topk_prob")),
-            "mtp_layers": mtp,
-            "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0, "dense_layers": tuple(range(setting(config, family, "first_k_dense_replace")))}
+            "mtp_layers": mtp, "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0,
+            "dense_layers": tuple(range(setting(config, family, "first_k_dense_replace")))}
 
 
 def holds_mtp(folder: Path, n_layers: int) -> bool:
