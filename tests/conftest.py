@@ -297,6 +297,7 @@ LAYOUTS = {
     "fsdp2_mla": (2, [*MLA, *degrees(1, 2)]),
     "tp_mla": (2, [*MLA, *NO_MTP, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "ep2_mla": (2, [*MLA, *EP2]),
+    "ep2_fsdp2_mla": (4, [*MLA, *EP2]),  # experts over 2 of the 4 FSDP2 ranks, each rank one sequence
     "pp_mla": (2, [*MLA, *NO_MTP, *PP2]),
     "cp_mla": (2, [*MLA, *CP2, "--training.micro_batch_size", "2"]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their

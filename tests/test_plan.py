@@ -45,7 +45,8 @@ PARTLY = {
     # rank receives, keeps and sends back depends on the routing; under TP the layer runs whole on
     # the gathered sequence, which plan does not model yet.
     **{name: {"state"} for name in LAYOUTS if "moe" in name and not name.startswith("single")},
-    "ep2_mla": {"state"},  # (DeepSeek-V3's rows as the others': under ep what moves depends on the routing)
+    # DeepSeek-V3's rows as the others': under ep what moves depends on the routing.
+    "ep2_mla": {"state"}, "ep2_fsdp2_mla": {"state"},
     # gpt-oss's experts as the others' (on one device predicted in full: the clamped SwiGLU's
     # saved tensors and the biases' row indices included).
     **{name: {"state"} for name in LAYOUTS if "gpt_oss" in name and not name.startswith("single")},
