@@ -102,6 +102,9 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("lr", "max_norm", "weight_decay"):
         if not math.isfinite(getattr(t, name)):  # NaN passes every comparison below
             raise ConfigError(f"training.{name}: must be a finite number, got {getattr(t, name)}")
+    for name in ("moe_aux_loss_coef", "moe_sequence_aux_coef", "mtp_loss_weight", "moe_bias_rate"):
+        if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
+            raise ConfigError(f"training.{name}: must be a finite number >= 0, got {getattr(t, name)}")
     if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0:
         raise ConfigError("training: lr must be > 0; warmup_steps, max_norm and threads must be >= 0")
     dp = dp_degree(cfg)

@@ -113,6 +113,10 @@ class Training:
     moe_aux_loss_coef: float = 0.001
     """mixtures of experts with a softmax router: weight of the load-balancing loss (Switch Transformer's, the
     mean over MoE layers) added to the gradient; 0 = none (it is logged either way)"""
+    moe_sequence_aux_coef: float = 0.0
+    """mixtures of experts with a sigmoid router: weight of DeepSeek-V3's sequence-wise balance loss (the mean over
+    MoE layers; DeepSeek-V3 trained with 0.0001) added to the gradient, logged as aux_loss (1 when balanced);
+    0 = none: the router bias balances alone"""
     mtp_loss_weight: float = 0.3
     """models with multi-token prediction (model.mtp_layers): the weight of its loss, added to the gradient
     (DeepSeek-V3's 0.3, lowered to 0.1 for its last 4.8T tokens); logged as mtp_loss either way"""
@@ -165,6 +169,10 @@ class Parallelism:
     Ulysses over groups of cp_ulysses neighbouring ranks, then all-gather over the groups (cp > the heads)"""
     cp_ulysses: int = 0
     """with cp_kind hybrid: the Ulysses degree inside cp (a divisor of cp between 1 and cp)"""
+    cp_gather: Literal["latent", "expanded"] = "latent"
+    """with cp_kind allgather, latent attention (MLA): latent = gather each token's key latent and RoPE key
+    (kv_lora_rank + qk_rope_head_dim values) and expand them on every rank (deepseek_v3_671b: 71x fewer bytes,
+    for cp x wkv_b's FLOPs); expanded = gather every head's keys and values, as other attention does"""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     """with pp > 1: torch.distributed.pipelining schedule; interleaved_* and zbv run several stages per rank"""
     pp_microbatches: int = 0

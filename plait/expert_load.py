@@ -19,9 +19,11 @@ class ExpertLoad:
     global batch (balanced: tokens x top_k / n_experts each). A model without experts logs none."""
 
     def __init__(self, model: nn.Module, args: ModelArgs, forwards: int, coefficient: float, bias_rate: float,
-                 group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None):
+                 group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None, sequence_coefficient: float = 0.0):
         self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some of them)
-        self.enabled, self.aux = bool(args.n_experts), args.router == "softmax"
+        if args.router != "softmax":  # a sigmoid router's loss is DeepSeek-V3's sequence-wise one, or none
+            coefficient = sequence_coefficient
+        self.enabled, self.aux = bool(args.n_experts), args.router == "softmax" or coefficient > 0
         n_moe = args.sparse_blocks
         # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/models/moe.py: aux_loss)
         self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group

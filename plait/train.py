@@ -272,7 +272,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
 
     forwards = microbatches(cfg) if pipeline else accum
     expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate, loss_mesh.get_group(),
-                             pipeline.group if pipeline else None)
+                             pipeline.group if pipeline else None, t.moe_sequence_aux_coef)
     further = FurtherTokens(model, forwards, t.mtp_loss_weight, loss_mesh.get_group())
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)

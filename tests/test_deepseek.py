@@ -1,5 +1,6 @@
 """DeepSeek-V3's pieces that no other family has: multi-token prediction's loss against a
-per-token reference, its weights in and out of a Hugging Face folder, and the refusals.
+per-token reference, its weights in and out of a Hugging Face folder, the sequence-wise balance
+loss against a per-sequence reference, and the refusals.
 Latent attention's logits against transformers are in test_families, its layouts in the parity
 matrix (conftest's *_mla rows), its routing in test_moe."""
 
@@ -9,13 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY
+from conftest import LAYOUTS, TINY, layout_run
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.config import ConfigError
 from plait.models.flavors import model_args
 from plait.models.transformer import Transformer, cross_entropy
 from plait.models.weights import init_weights
+from test_parity import REFERENCE
 
 
 def mtp_model() -> Transformer:
@@ -103,6 +105,72 @@ def test_mtp_weights_in_and_out_of_a_deepseek_v3_folder(tmp_path):
 
     save_file(written, str(tmp_path / "a" / "model.safetensors"))
     assert hf.model_args(tmp_path / "a", "checkpoint.load").mtp_layers == 0
+
+
+def test_the_sequence_wise_balance_loss_and_its_gradient_equal_a_per_sequence_reference():
+    """DeepSeek-V3's sequence-wise loss of a sigmoid router's layer, per sequence b of T tokens:
+    f_e = E / (k T) x the tokens of b whose top k hold e, P_e = the mean over b's tokens of e's
+    score divided by the token's sum of scores, L_b = sum_e f_e P_e; the layer's loss is the mean
+    of L_b, 1 when balanced, and its gradient joins the routers' as scale x dL (the layer's
+    output unchanged)."""
+    from plait.models.moe import MoE
+
+    torch.manual_seed(0)
+    args = model_args("debug_mla", 320)
+    layer, scale = MoE(args.dim, args), 0.5
+    with torch.no_grad():  # (the balancing bias steers the choice, not the scores P averages)
+        for param in layer.parameters():
+            param.normal_(0, 0.02)
+        layer.router.bias.uniform_(-0.01, 0.01)
+    x = torch.randn(3, 10, args.dim)
+    layer.aux_scale = scale
+    out = layer(x)
+    out.sum().backward()
+    measured, grad = layer.records[0][1], layer.router.gate.weight.grad.clone()
+
+    layer.zero_grad()
+    layer.aux_scale = 0.0
+    plain = layer(x)
+    assert torch.equal(plain, out) and layer.records[1][1] is None  # (no loss asked: none computed)
+    per_sequence = []
+    for b in range(3):
+        scores, experts, _ = layer.router(x[b])
+        f = [args.n_experts / (args.top_k * 10) * sum(int(e in experts[t]) for t in range(10))
+             for e in range(args.n_experts)]
+        p = [sum(scores[t, e] / scores[t].sum() for t in range(10)) / 10 for e in range(args.n_experts)]
+        per_sequence.append(sum(fe * pe for fe, pe in zip(f, p)))
+    reference = sum(per_sequence) / 3
+    (plain.sum() + scale * reference).backward()
+    assert torch.allclose(measured, reference.detach(), rtol=1e-6, atol=0), (measured, reference)
+    torch.testing.assert_close(grad, layer.router.gate.weight.grad, rtol=1e-5, atol=1e-8)
+    assert 1 <= measured < 2  # (near balance: 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name.endswith("_mla") and not name.startswith("single")])
+def test_every_layout_logs_the_sequence_wise_loss_of_the_single_device(train_once, name):
+    """The parity matrix's DeepSeek-V3 rows train with the sequence-wise loss (conftest's MLA):
+    each step's aux_loss (the mean over layers, micro-batches and sequences; near 1) is the single
+    device's to the last bits (fp32; measured 1.2e-7 relative at most). Under cp each rank's term sums its
+    own tokens' scores against the whole sequence's routing, which the cp ranks' sum gives."""
+    rows, reference = layout_run(train_once, name)[0], layout_run(train_once, REFERENCE[name])[0]
+    assert 1 <= reference[0]["aux_loss"] < 1.5, reference[0]
+    assert rows[0]["aux_loss"] == pytest.approx(reference[0]["aux_loss"], rel=1e-6, abs=0), name
+    assert [r["aux_loss"] for r in rows] == pytest.approx([r["aux_loss"] for r in reference], rel=1e-6, abs=0), name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.moe_sequence_aux_coef", "-1"], "training.moe_sequence_aux_coef: must be a finite number >= 0"),
+    (["--training.moe_sequence_aux_coef", "0.1", "--model.flavor", "debug_moe"],
+     "training.moe_sequence_aux_coef: 0.1 weighs a sigmoid router's loss"),
+])
+def test_a_sequence_wise_loss_where_it_cannot_apply_is_refused_at_start_up(argv, message):
+    from plait.hf.config import job_model
+    from plait.parallel.expert_parallel import check_experts
+
+    with pytest.raises(ConfigError, match=message):
+        cfg = check_options(parse_args([*TINY, "--model.flavor", "debug_mla", *argv]), world=1)
+        check_experts(job_model(cfg, 256), cfg)
 
 
 @pytest.mark.parametrize("argv, message", [

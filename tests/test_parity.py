@@ -103,7 +103,7 @@ MOE_BOUNDS = {("simple_fsdp_moe", "fp32"): BITWISE,  # (measured: data paralleli
               # to bf16 before the sum, where one device rounds the whole once: measured 9.6e-4,
               # bound 3x (MLA_TP_BF16).
               ("fsdp2_mla", "fp32"): BITWISE, ("fsdp2_mla", "bf16"): BITWISE, ("pp_mla", "fp32"): BITWISE,
-              ("ep2_mla", "fp32"): FP32_REORDERED, ("cp_mla", "fp32"): FP32_REORDERED,
+              ("ep2_mla", "fp32"): FP32_REORDERED, ("cp_mla", "fp32"): FP32_REORDERED, ("cp_mla", "bf16"): BF16_REORDERED,
               ("ep2_fsdp2_mla", "fp32"): MOE_REORDERED,  # (world 4: 4.8e-7, the loss and the MTP loss)
               ("tp_mla", "fp32"): MOE_REORDERED, ("tp_mla", "bf16"): MLA_TP_BF16}
 # Muon against the single device with Muon. Each matrix is orthogonalised whole in fp32 from the

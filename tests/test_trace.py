@@ -165,6 +165,32 @@ def test_ulysses_sends_heads_all_to_all_in_bf16_and_gathers_no_keys(train_once, 
     assert code == 0, out + err
 
 
+@pytest.mark.slow
+def test_latent_attention_gathers_its_latents_under_cp_and_sums_partial_gradients_under_tp(train_once, capsys):
+    """DeepSeek-V3's bf16 rows (debug_mla: 2 blocks and the MTP module's, 2 micro-batches per
+    step). CP2: every block all-gathers its key latents and RoPE keys in bf16 (beside FSDP2's
+    parameter gathers) and reduce-scatters their gradients in bf16, 2 x 3 x 2 = 12 calls per step;
+    the sequence-wise loss sums each MoE layer's routing over cp in fp32 (2 layers x 2); FSDP2's
+    gradients travel in fp32. TP2 (no MTP): sequence parallelism's gathers and scatters in bf16
+    both ways, and in backward one all-reduce per partial gradient (the latents' projections and
+    norms, the blocks' norms), in the fp32 reduce dtype: the gradients accumulate over two
+    micro-batches."""
+    layout_run(train_once, "cp_mla", BF16)
+    world, args = SHARED["cp_mla"]
+    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
+                           "--expect", "forward:all_gather:bf16", "--expect", "backward:reduce_scatter:bf16=12",
+                           "--expect", "forward:all_reduce:fp32=4", "--expect", "backward:reduce_scatter:fp32",
+                           "--expect", "forward:!reduce_scatter")
+    assert code == 0, out + err
+    layout_run(train_once, "tp_mla", BF16)
+    world, args = SHARED["tp_mla"]
+    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
+                           "--expect", "forward:all_gather:bf16=10", "--expect", "forward:reduce_scatter:bf16=8",
+                           "--expect", "backward:all_gather:bf16=10", "--expect", "backward:reduce_scatter:bf16=8",
+                           "--expect", "backward:all_reduce:fp32=13")
+    assert code == 0, out + err
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["{tmp}/missing"], "does not exist"),
     (["{tmp}"], "no trace rank*.json"),

@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3): keys and values expanded from a small latent
-per token, so a KV cache or a context-parallel gather could hold the latent instead of every
-head's keys and values.
+per token, so a context-parallel gather moves the latent instead of every head's keys and values
+(a KV cache could hold it too; plait's holds the expanded keys).
 
     queries: x -> wq_a -> q_a_norm -> wq_b (or x -> wq): per head, nope entries + rope entries
     keys:    x -> wkv_a -> [latent, rope key]; latent -> kv_a_norm -> wkv_b: per head, nope
@@ -24,6 +24,17 @@ from plait.models.rope import apply_rope, softmax_scale
 LATENT_NORM_EPS = 1e-6  # the latents' norms take no rms_norm_eps in DeepSeek's code or transformers'
 
 
+class KeyLatents(nn.Module):
+    """The normalised key latents and RoPE keys of the tokens at hand, returned as they are: a
+    seam, not a computation. Context parallelism hooks it to return the whole sequence's instead
+    (plait/parallel/context_parallel.py), which each rank then expands into every head's keys and
+    values itself: kv_lora_rank + qk_rope_head_dim values per token travel, not heads x (key +
+    value) entries."""
+
+    def forward(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return latent, k_rope
+
+
 class LatentAttention(nn.Module):
     def __init__(self, args: ModelArgs, window: int = 0):
         super().__init__()
@@ -39,6 +50,7 @@ class LatentAttention(nn.Module):
             self.wq = nn.Linear(args.dim, queries, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=args.qkv_bias)
         self.kv_a_norm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
+        self.key_latents = KeyLatents()
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=args.out_bias)
         self.core = ScaledDotProduct(window, scale=softmax_scale(args.head_dim, args.rope_scaling))
@@ -49,10 +61,13 @@ class LatentAttention(nn.Module):
         q = self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
         q_nope, q_rope = q.view(batch, seq, -1, self.head_dim).split([self.nope, self.rope_dim], -1)
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], -1)
-        k_nope, v = self.wkv_b(self.kv_a_norm(latent)).view(batch, seq, -1, self.nope + self.v_dim).split(
+        # One RoPE key, every head's. Keys: the tokens at hand (under context parallelism the
+        # sequence's), in the compute dtype (an autocast norm may return fp32; wkv_b would cast it).
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope)
+        latent, k_rope = self.key_latents(self.kv_a_norm(latent).to(k_rope.dtype), k_rope)
+        k_nope, v = self.wkv_b(latent).view(batch, latent.shape[1], -1, self.nope + self.v_dim).split(
             [self.nope, self.v_dim], -1)
         q = torch.cat([q_nope, apply_rope(q_rope, rope)], -1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope)  # one RoPE key, every head's
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], -1)
         if cache is not None:  # generation: every earlier position's keys and values too (expanded)
             k, v = cache.extend(self, k, v, self.core.window)

@@ -48,7 +48,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     if cfg.training.float8 != "none":  # first: the other plans wrap and shard the float8 layers
         float8.convert(model, cfg)
     if cfg.parallelism.cp > 1:  # start-up refuses cp with SimpleFSDP and classic DDP
-        apply_cp(model, mesh["cp"], cfg.parallelism.cp_kind, cfg.parallelism.cp_ulysses)
+        apply_cp(model, mesh["cp"], cfg.parallelism.cp_kind, cfg.parallelism.cp_ulysses,
+                 latent=cfg.parallelism.cp_gather == "latent")
     if backend != "simple_fsdp":  # SimpleFSDP checkpoints its blocks itself: it reshards that way
         apply_ac(model, ac.mode, ac.every, n_blocks)
     if cfg.compile.enable and backend != "simple_fsdp":

@@ -15,6 +15,13 @@ operands rounds once whether it is taken in bf16 or in fp32 (at larger cp bf16 r
 partial sum). This all-gather form runs on gloo as on NCCL; it holds the full K/V of one layer
 at a time.
 
+Latent attention (MLA) gathers less (`cp_gather latent`): each token's normalised key latent
+and RoPE key (kv_lora_rank + qk_rope_head_dim values, DeepSeek-V3's 576 against 128 heads x
+(192 + 128) = 40,960 of keys and values), which every rank expands into the whole sequence's
+keys and values itself (cp times wkv_b's work). The latents' gradients come back reduce-
+scattered as K/V's do, and wkv_b's weight gradient, each rank's queries' share, is summed over
+cp with every other weight's.
+
 `cp_kind ulysses` (DeepSpeed-Ulysses) moves heads instead: an all-to-all turns each rank's
 sequence chunks of q, k and v (every head) into the whole sequence of 1/cp of the heads;
 attention runs locally on whole sequences, under whatever mask the model uses (SDPA's causal
@@ -174,14 +181,17 @@ class BatchLayout:
         return inputs[:, queries], labels[:, queries], {"positions": positions[:, queries], **mask}
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", ulysses_degree: int = 0) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", ulysses_degree: int = 0,
+             latent: bool = True) -> None:
     """Hand every attention kernel what it needs of the whole sequence (forward hooks on each
     block's `attention.core`): under allgather the sequence's keys and values and where its
     queries lie in the sequence; under ulysses the whole sequence of its share of the heads, its
     output turned back into this rank's chunks; under hybrid Ulysses over groups of
     `ulysses_degree` neighbouring cp ranks, then the all-gather of those heads' keys and values
-    over the groups. Every mixture of experts gets the sum over the cp ranks of its routing's
-    counts. The model itself is untouched."""
+    over the groups. Under allgather latent attention (`latent`) gathers its key latents and RoPE
+    keys instead (a forward hook on `attention.key_latents`): its kernel gets whole keys already.
+    Every mixture of experts gets the sum over the cp ranks of its routing's counts. The model
+    itself is untouched."""
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
     n, heads_group = (cp, group) if kind == "ulysses" else (ulysses_degree, None)  # heads split over n ranks
     if kind == "hybrid":  # cp rank = group index x ulysses_degree + rank in its Ulysses group
@@ -221,6 +231,15 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
                 for t in (k, v))
         return q, k, v, mask, chunk_runs([rank], chunk)
 
+    def whole_latents(module, args, out):
+        # [batch, seq, ...]: gathered along the sequence, with autograd, as K/V are
+        return tuple(sequence_order(funcol.all_gather_tensor_autograd(t.contiguous(), gather_dim=1, group=group), cp, 1)
+                     for t in out)
+
+    def keys_already_whole(module, args):
+        q, k, v, mask = args
+        return q, k, v, mask, chunk_runs([rank], q.shape[2] // 2)
+
     def my_heads(heads: int) -> slice:
         """The query heads `heads_to_ranks` leaves this rank (for their sinks)."""
         share = heads // n
@@ -246,6 +265,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
 
     pre_hook = {"allgather": whole_sequence, "ulysses": head_shards, "hybrid": head_shards_then_keys}[kind]
     for block in model.blocks():
+        if kind == "allgather" and latent and hasattr(block.attention, "key_latents"):
+            block.attention.key_latents.register_forward_hook(whole_latents)
+            block.attention.core.register_forward_pre_hook(keys_already_whole)
+            continue
         block.attention.core.register_forward_pre_hook(pre_hook)
         if kind != "allgather":
             block.attention.core.register_forward_hook(back_to_chunks)

@@ -52,6 +52,10 @@ def check_experts(args: ModelArgs, cfg: JobConfig) -> None:
         return
     if args.n_experts % p.ep:
         raise ConfigError(f"parallelism.ep: {p.ep} must divide the model's {args.n_experts} experts")
+    if args.router == "softmax" and cfg.training.moe_sequence_aux_coef:
+        raise ConfigError(f"training.moe_sequence_aux_coef: {cfg.training.moe_sequence_aux_coef} weighs a sigmoid "
+                          "router's loss (DeepSeek-V3's); this model's router is softmax, whose loss "
+                          "training.moe_aux_loss_coef weighs; allowed here: 0")
     if p.dp_backend == "simple_fsdp" and cfg.compile.enable:
         raise ConfigError("compile.enable: simple_fsdp compiles the whole model as one graph, which a mixture of "
                           "experts' token counts (data-dependent sizes) break; allowed: simple_fsdp without compile, "

@@ -14,8 +14,8 @@ from plait.config import JobConfig, dp_degree
 from plait.models.flavors import ModelArgs
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
-                               rank_parameters, rank_stages, ulysses_degree, ulysses_kv_heads, units,
-                               window_tail_keys)
+                               latent_gather, rank_parameters, rank_stages, sequence_aux, ulysses_degree,
+                               ulysses_kv_heads, units, window_tail_keys)
 
 LATENT = re.compile(r"attention\.(wq_a|q_a_norm|wkv_a|kv_a_norm)\.")  # whole on every TP rank
 
@@ -86,9 +86,13 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # heads its Ulysses group gave it) and reduce-scatters their gradients in backward (its
         # input, the same size); a checkpointed block gathers again. Under all-gather, a sliding
         # window no longer than a chunk gathers only the window - 1 keys before each chunk.
+        # Latent attention under cp_gather latent: each token's key latent and RoPE key, the whole sequence's.
         per_key = passes * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * (args.head_dim + args.v_head_dim) * e
+        latent = args.kv_lora_rank and latent_gather(cfg)
+        if latent:
+            per_key = passes * (args.kv_lora_rank + args.qk_rope_head_dim) * e
         for block in block_indices(blocks):
-            keys = p.cp * window_tail_keys(args, cfg, block, tokens) or tokens * p.cp  # every rank's tails, or all
+            keys = (not latent) * p.cp * window_tail_keys(args, cfg, block, tokens) or tokens * p.cp  # tails, or all
             out["forward", "all_gather", "cp"] += keys * per_key
             out["backward", "all_gather", "cp"] += (block in checkpointed) * keys * per_key
             out["backward", "reduce_scatter", "cp"] += keys * per_key
@@ -152,6 +156,15 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         copies = passes * tokens * args.top_k * args.dim * e
         out["forward", "all_to_all", "ep"] += 2 * len(moe) * copies
         out["backward", "all_to_all", "ep"] += 2 * (len(moe) + again) * copies
+    if p.cp > 1 and args.n_experts and (args.router == "softmax" or sequence_aux(args, cfg)):
+        # Each MoE layer's auxiliary loss sums its routing over the cp ranks, per micro-batch in
+        # forward (and a checkpointed block's recompute): the tokens per expert (int64; softmax) or
+        # per sequence and expert (fp32; the sequence-wise loss).
+        moe = [b for b in block_indices(blocks) if args.sparse(b)]
+        again = len(set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) & set(moe))
+        sums = passes * args.n_experts * (8 if args.router == "softmax" else 4 * tokens * p.cp // t.seq_len)
+        out["forward", "all_reduce", "cp"] += len(moe) * sums
+        out["backward", "all_reduce", "cp"] += again * sums
     if args.n_experts:  # the step's expert load (int64 per layer and expert) and auxiliary loss; their pp reductions
         moe_blocks = sum(map(args.sparse, block_indices(blocks)))
         out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 8 + (8 + 16) * (p.pp > 1)

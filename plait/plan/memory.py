@@ -151,7 +151,8 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
-                           cp: int = 1, moe: bool = False, heads_split: int = 1, tail_keys: int = 0) -> int:
+                           cp: int = 1, moe: bool = False, heads_split: int = 1, tail_keys: int = 0,
+                           latent_gather: bool = False, sequence_aux: bool = False) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -175,11 +176,11 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     its fp32 input and normalised values and 1/rms (8 * head_dim + 4 per head it normalises;
     over the projection, one 1/rms for all of them). Norms after the sub-layers (post_norm)
     keep what norms before them do: their fp32 input and values, and the linear layers keep the
-    block input in their stead. A mixture of experts (`moe`) keeps what `moe_bytes` says in the
+    block input in their stead. Latent attention: `latent_attention_bytes`. A mixture of experts (`moe`) keeps what `moe_bytes` says in the
     SwiGLU's stead (predicted at tp 1).
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
-    experts = moe_bytes(args, tokens, e, mode) if moe else 0
+    experts = moe_bytes(args, tokens, e, mode, sequence_aux) if moe else 0
     if moe:
         ffn = 0
     if mode == "full":
@@ -199,28 +200,32 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     log_sum_exp = 0 if masked else 4 * heads
     qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8}[args.qk_norm]
     if args.kv_lora_rank:
-        attention, qk_norms = tokens * latent_attention_bytes(args, e, tp, masked, cp), 0
+        attention, qk_norms = tokens * latent_attention_bytes(args, e, tp, masked, cp, latent_gather), 0
     return norms + attention + tokens * (log_sum_exp + 4 * ffn * e + qk_norms) + experts
 
 
-def latent_attention_bytes(args: ModelArgs, e: int, tp: int, masked: bool, cp: int) -> int:
+def latent_attention_bytes(args: ModelArgs, e: int, tp: int, masked: bool, cp: int, latent_gather: bool) -> int:
     """What latent attention keeps per token (no AC): each latent's norm what a block's norm
-    keeps (its input, in the compute dtype, the fp32 input and normalised values, 1/rms) and
+    keeps (its input, in the compute dtype, the fp32 input and normalised values, 1/rms; the key
+    latent's output whole-sequence under `latent_gather`: the gathered copy wkv_b reads) and
     in fp32 the key latent's whole projection output (the RoPE key is a view of it); the queries and
     keys SDPA reads (heads x head_dim each; keys x cp under all-gather cp) and the values:
     padded to head_dim where narrower (a fresh tensor; its output, padded too, SDPA's causal
     path keeps, and the output projection its own unpadded copy), else a view of wkv_b's whole
-    output (all-gathered under cp: a fresh tensor); the output projection's input."""
+    output (all-gathered values under cp: a fresh tensor; under `latent_gather` wkv_b's whole
+    sequence output); the output projection's input."""
     heads, hd, v = args.n_heads // tp, args.head_dim, args.v_head_dim
-    norms = sum(8 * rank + 4 + e * rank for rank in (args.q_lora_rank, args.kv_lora_rank) if rank)
+    expanded = cp if latent_gather else 1  # the tokens wkv_b runs on
+    norms = sum(8 * rank + 4 + e * rank * times for rank, times in ((args.q_lora_rank, 1), (args.kv_lora_rank, expanded))
+                if rank)
     padded = v != hd
-    values = heads * hd * cp if padded else heads * (args.qk_nope_head_dim + v) if cp == 1 else heads * v * cp
+    values = heads * hd * cp if padded else heads * (args.qk_nope_head_dim + v) * cp if expanded == cp else heads * v * cp
     outputs = heads * v + (padded and not masked) * heads * hd
     rope_key = args.qk_rope_head_dim * (e == 4)  # (in bf16 the norm and RoPE read fp32 copies: no view keeps it)
     return norms + e * (rope_key + heads * hd * (1 + cp) + values + outputs)
 
 
-def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
+def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: bool = False) -> int:
     """What a mixture-of-experts layer keeps for backward, routing whatever it routes (every
     token reaches k experts: the sizes do not depend on which). Every mode: the step's record
     (tokens per expert, int64, and the auxiliary loss). full: nothing more. selective: the matmul
@@ -230,16 +235,18 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str) -> int:
     with experts' biases also each row's expert) and weights; the router's fp32 scores and its
     sort's int64 indices, the top-k weights and their sum; in bf16 the router's fp32 copies of
     its input and weight, where the input itself (the norm's output, which the norms' count
-    holds) is then kept by nobody unless shared experts read it."""
+    holds) is then kept by nobody unless shared experts read it. A sigmoid router's sequence-wise
+    loss (`sequence_aux`) records its value too and keeps each token's sum of scores (fp32; and
+    per sequence two rows of E, not counted)."""
     n, k, d, h = args.n_experts, args.top_k, args.dim, args.moe_hidden
     rows, softmax = tokens * k, args.router == "softmax"
-    record = n * 8 + 4 * softmax
+    record = n * 8 + 4 * (softmax or sequence_aux)
     if mode == "full":
         return record
     shared = args.moe_hidden * args.n_shared_experts
     if mode == "selective":  # (and the shared experts' three matmuls)
         return record + tokens * n * 4 + rows * (2 * h + d) * e + tokens * (2 * shared + d * bool(shared)) * e
-    router = tokens * n * 12 + args.normalize_top_k * tokens * (k + 1) * 4 + n * 4 * softmax
+    router = tokens * n * 12 + args.normalize_top_k * tokens * (k + 1) * 4 + n * 4 * softmax + 4 * tokens * sequence_aux
     casts = tokens * d * 4 + n * d * 4 - tokens * d * e * (not shared) if e != 4 else 0
     hidden = 7 if args.swiglu_limit else 4  # the clamped SwiGLU: both clamps' inputs, and gate, sigmoid, glu, up + 1
     row_experts = 8 * rows if args.expert_bias else 0  # which expert's bias each row adds (int64)
@@ -302,7 +309,8 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
                                        masked(cfg, args.own_mask(i)), cfg.parallelism.cp, args.sparse(i),
-                                       ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens))
+                                       ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens), latent_gather(cfg),
+                                       sequence_aux(args, cfg))
                 for i in blocks)
     if last:
         vocab = args.vocab_size // tp
@@ -323,7 +331,20 @@ def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
     own = (8 * d + 4) + (4 * d + 4 + 4 * d * (e != 4)) + 2 * e * d + (8 * d + 4) + e * d + 4 * args.vocab_size
     return tokens * own + 8 + block_activation_bytes(args, tokens, e, "none", 1, masked(cfg, args.own_mask(block)),
                                                      cfg.parallelism.cp, args.sparse(block), ulysses_degree(cfg),
-                                                     window_tail_keys(args, cfg, block, tokens))
+                                                     window_tail_keys(args, cfg, block, tokens), latent_gather(cfg),
+                                                     sequence_aux(args, cfg))
+
+
+def latent_gather(cfg: JobConfig) -> bool:
+    """Latent attention under all-gather cp gathers each token's key latent and RoPE key and
+    expands them on every rank (cp_gather latent), not every head's keys and values."""
+    p = cfg.parallelism
+    return p.cp > 1 and p.cp_kind == "allgather" and p.cp_gather == "latent"
+
+
+def sequence_aux(args: ModelArgs, cfg: JobConfig) -> bool:
+    """A sigmoid router's layers compute DeepSeek-V3's sequence-wise loss (moe_sequence_aux_coef)."""
+    return bool(args.n_experts) and args.router != "softmax" and cfg.training.moe_sequence_aux_coef > 0
 
 
 def window_tail_keys(args: ModelArgs, cfg: JobConfig, block: int, tokens: int) -> int:

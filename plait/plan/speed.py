@@ -33,7 +33,8 @@ from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed
 from plait.plan.memory import (Layout, block_activation_bytes, block_indices, holds_output, local_rows_cols,
-                               masked, parameter_shapes, rank_parameters, stage_blocks, ulysses_degree, units)
+                               latent_gather, masked, parameter_shapes, rank_parameters, stage_blocks,
+                               ulysses_degree, units)
 
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written
@@ -57,9 +58,11 @@ def share(cfg: JobConfig, world: int, node_size: int, cal: Calibration) -> float
     return cpu_share(cfg.training.threads, min(world, node_size), cal.cores)
 
 
-def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
+def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool,
+                  latent_cp: int = 1) -> list[float]:
     """The FLOPs of each matmul of one block's forward on a rank (backward runs two of each), for
-    `tokens` of sequences of `seq_len` (their keys)."""
+    `tokens` of sequences of `seq_len` (their keys); latent attention's wkv_b on `latent_cp` x
+    `tokens` (the whole sequence's latents under cp_gather latent)."""
     calls = []
     layout = Layout(1, 1, 1, tp, 1)
     for name, shape in parameter_shapes(args).items():
@@ -69,7 +72,7 @@ def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: in
             calls += [2.0 * tokens * args.top_k / shape[0] * shape[1] * shape[2]] * shape[0]
         else:
             rows, cols = local_rows_cols(name, shape, layout)
-            calls.append(2.0 * tokens * rows * cols)
+            calls.append(2.0 * tokens * rows * cols * (latent_cp if name.endswith("attention.wkv_b.weight") else 1))
     return calls + attention_matmuls(args, block, tokens, seq_len, tp, causal)
 
 
@@ -87,18 +90,19 @@ def attention_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp
 
 def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int, cal: Calibration, cores: float,
                   tp: int = 1, cp: int = 1, causal: bool = True, is_masked: bool = False,
-                  recompute: bool = False, heads_split: int = 1) -> float:
+                  recompute: bool = False, heads_split: int = 1, latent_gather: bool = False) -> float:
     """One block's forward and backward (and a recomputed forward) on a rank: matmuls at their
     size's speed, element-wise work at the calibrated element-wise speed, the host's operators.
     Under a mask attention's forward runs again in backward (its query blocks are checkpointed)."""
     dtype = dtype_name(e)
     passes = 3 + recompute
     matmuls = sum(passes * flops / cal.rate(dtype, flops, cores)
-                  for flops in block_matmuls(args, block, tokens, seq_len, tp, causal))
+                  for flops in block_matmuls(args, block, tokens, seq_len, tp, causal, cp if latent_gather else 1))
     if is_masked:
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
                        for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal))
-    saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split)
+    saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split,
+                                   latent_gather=latent_gather)
     elementwise = ELEMENTWISE_PASSES * (1 + recompute / 3) * saved / cal.elementwise_rate(dtype, tokens * args.dim * e,
                                                                                           cores)
     dense, sparse, _ = operator_counts(args)
@@ -122,7 +126,8 @@ def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | Non
     kinds = Counter((args.sparse(b), b in recomputed, args.window(b)) for b in blocks)  # one kind, one cost
     representative = {(args.sparse(b), b in recomputed, args.window(b)): b for b in blocks}
     seconds = sum(n * block_seconds(args, representative[kind], tokens, t.seq_len, e, cal, cores, p.tp, p.cp, causal,
-                                    masked(cfg, args.own_mask(representative[kind])), kind[1], ulysses_degree(cfg))
+                                    masked(cfg, args.own_mask(representative[kind])), kind[1], ulysses_degree(cfg),
+                                    latent_gather(cfg))
                   for kind, n in kinds.items())
     if holds_output(args, params):  # the output layer's matmuls, the logits and the loss's fp32 log-softmax
         flops = 2.0 * tokens * args.dim * args.vocab_size / p.tp
