@@ -81,7 +81,7 @@ def layer_plan(args: ModelArgs, tp: int) -> dict[str, str]:
         rows, cols = module.out_features, module.in_features
         if tp > 1 and name.startswith("layers.") and ".shared." not in name:  # (shared experts: whole, as experts)
             rows, cols = (rows, cols // tp) if name.endswith(("wo", "w2")) else (rows // tp, cols)
-        if not name.startswith("layers."):
+        if not name.startswith(("layers.", "mtp.")):  # (multi-token prediction's block and projection: as a block's)
             plan[name] = "the output layer stays in the compute dtype (its logits feed the softmax directly)"
         elif name.endswith("router.gate"):
             plan[name] = "a router scores in float32 (a rounded score flips near-tied choices of experts)"

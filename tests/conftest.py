@@ -303,6 +303,8 @@ LAYOUTS = {
     "ep2_fsdp2_mla": (4, [*MLA, *EP2]),  # experts over 2 of the 4 FSDP2 ranks, each rank one sequence
     "pp_mla": (2, [*MLA, *NO_MTP, *PP2]),
     "cp_mla": (2, [*MLA, *CP2, "--training.micro_batch_size", "2"]),
+    "single_mla_f8": (1, [*MLA, *FLOAT8, "--training.micro_batch_size", "2"]),  # (the MTP module's layers too)
+    "fsdp2_mla_f8": (2, [*MLA, *FLOAT8, *degrees(1, 2)]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
     # load-balancing loss is taken over each forward's tokens, so a row's reference forwards the
     # same sequences together: 2 per forward (single_moe) or 1 (single_moe_mb1, the world-4 rows
@@ -347,7 +349,7 @@ def reference(args: list[str]) -> str:
     if MOE[1] in args:  # (the rows whose ranks forward 1 sequence at a time are named in ONE_PER_FORWARD)
         return "single_moe"
     if MLA[1] in args:
-        return "single_mla_no_mtp" if NO_MTP[1] in args else "single_mla"
+        return "single_mla_no_mtp" if NO_MTP[1] in args else "single_mla_f8" if FLOAT8[0] in args else "single_mla"
     if QWEN3[0] in args:
         return f"single_{args[args.index(QWEN3[0]) + 1].removeprefix('debug_')}{'_tied' * (TIED[0] in args)}"
     if FLOAT8[0] in args:

@@ -100,6 +100,19 @@ def test_converted_layers_multiply_in_float8_forward_and_backward(train_once, na
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout, micro", [("single_mla_f8", 2), ("fsdp2_mla_f8", 1)])
+def test_latent_attention_and_the_mtp_module_multiply_in_float8(train_once, layout, micro):
+    """DeepSeek-V3 (debug_mla): per micro-batch 25 linear layers run float8 (each block's five of
+    latent attention and three of its dense FFN or shared expert, the MTP module's projection and
+    its block's eight), forward once and backward twice; the routers, the experts' grouped
+    matmuls and the output layer do not."""
+    _, probe = layout_run(train_once, layout)
+    eight = lambda phase: sum(n for dtypes, n in matmuls(probe, phase, 0).items() if "float8" in dtypes)
+    assert (eight("forward"), eight("backward")) == (25 * micro, 50 * micro), (matmuls(probe, "forward", 0),
+                                                                                matmuls(probe, "backward", 0))
+
+
+@pytest.mark.slow
 def test_fsdp2_all_gathers_float8_weights_as_one_byte_elements_half_of_bf16(train_once):
     """Measured from the profiler traces of the bf16 FSDP2 runs with and without float8: the
     blocks' forward all-gathers carry 1-byte elements (uint8 views of the float8 weights and the

@@ -14,7 +14,7 @@ from plait.config import JobConfig, dp_degree
 from plait.models.flavors import ModelArgs
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
-                               latent_gather, rank_parameters, rank_stages, sequence_aux, ulysses_degree,
+                               latent_gather, plan_name, rank_parameters, rank_stages, sequence_aux, ulysses_degree,
                                ulysses_kv_heads, units, window_tail_keys)
 
 LATENT = re.compile(r"attention\.(wq_a|q_a_norm|wkv_a|kv_a_norm)\.")  # whole on every TP rank
@@ -50,7 +50,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # Under float8 all-gather the converted weights travel as one byte per element, with
         # scales computed after each optimizer step: one all-reduce of every weight's amax (an
         # fp32 scalar each) for the step's gathers.
-        eight = {f"{name}.weight" for name, why in float8.layer_plan(args, p.tp).items() if not why} \
+        eight = {plan_name(f"{name}.weight", args) for name, why in float8.layer_plan(args, p.tp).items() if not why} \
             if float8.fsdp_all_gather(cfg) else set()
         gathered = {u: sum(gathered_elements({n: s}, layout) * (1 if n in eight else gather) for n, s in unit.items())
                     for u, unit in grouped.items()}

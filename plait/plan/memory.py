@@ -93,8 +93,12 @@ def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     block after the model's (`layers.<n_layers + k>`: a unit of its own, as FSDP2 wraps it)."""
     with torch.device("meta"):
         params = Transformer(args).named_parameters()
-    return {re.sub(r"^mtp\.(\d+)\.block\.", lambda m: f"layers.{args.n_layers + int(m[1])}.", name): tuple(p.shape)
-            for name, p in params}
+    return {plan_name(name, args): tuple(p.shape) for name, p in params}
+
+
+def plan_name(name: str, args: ModelArgs) -> str:
+    """A model's parameter or module name as plan names it (`mtp.<k>.block.` -> `layers.<n_layers + k>.`)."""
+    return re.sub(r"^mtp\.(\d+)\.block\.", lambda m: f"layers.{args.n_layers + int(m[1])}.", name)
 
 
 def rank_parameters(args: ModelArgs, cfg: JobConfig, stages: list[int] | None) -> dict[str, tuple[int, ...]]:
@@ -216,10 +220,11 @@ def latent_attention_bytes(args: ModelArgs, e: int, tp: int, masked: bool, cp: i
     sequence output); the output projection's input."""
     heads, hd, v = args.n_heads // tp, args.head_dim, args.v_head_dim
     expanded = cp if latent_gather else 1  # the tokens wkv_b runs on
-    norms = sum(8 * rank + 4 + e * rank * times for rank, times in ((args.q_lora_rank, 1), (args.kv_lora_rank, expanded))
-                if rank)
+    norms = sum(8 * rank + 4 + e * rank * times
+                for rank, times in ((args.q_lora_rank, 1), (args.kv_lora_rank, expanded)) if rank)
     padded = v != hd
-    values = heads * hd * cp if padded else heads * (args.qk_nope_head_dim + v) * cp if expanded == cp else heads * v * cp
+    values = heads * hd * cp if padded else \
+        heads * (args.qk_nope_head_dim + v) * cp if expanded == cp else heads * v * cp
     outputs = heads * v + (padded and not masked) * heads * hd
     rope_key = args.qk_rope_head_dim * (e == 4)  # (in bf16 the norm and RoPE read fp32 copies: no view keeps it)
     return norms + e * (rope_key + heads * hd * (1 + cp) + values + outputs)
