@@ -67,20 +67,28 @@ class ExpertLoad:
 class FurtherTokens:
     """Multi-token prediction's side: its loss's weight, each micro-batch's share (the model adds
     it to the gradient: Transformer.predict_further), and per step its value `mtp_loss` (the mean
-    over micro-batches and data-parallel x cp ranks, each a mean over its own positions)."""
+    over micro-batches and data-parallel x cp ranks, each a mean over its own positions). Under a
+    pipeline `model` is the last stage's (None on the other ranks, which add nothing over
+    `pp_group` and log what the last stage measured)."""
 
-    def __init__(self, model: nn.Module, forwards: int, weight: float, group: dist.ProcessGroup):
+    def __init__(self, model: nn.Module | None, args: ModelArgs, forwards: int, weight: float, device: torch.device,
+                 group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None):
         model = getattr(model, "module", model)  # (classic DDP's wrapper)
-        self.model, self.group = model, group
-        self.enabled = bool(len(getattr(model, "mtp", ())))
-        model.mtp_scale = weight / forwards
+        self.model, self.device, self.group, self.pp_group = model, device, group, pp_group
+        self.enabled = args.mtp_layers > 0
+        if model is not None:
+            model.mtp_scale = weight / forwards
 
     @torch.no_grad()
     def step(self) -> dict:
         if not self.enabled:
             return {}
-        records = self.model.mtp_records
-        total = torch.stack([torch.stack(records).sum(), torch.tensor(float(len(records)), device=records[0].device)])
+        records = self.model.mtp_records if self.model is not None else []
+        total = torch.tensor([0.0, float(len(records))], device=self.device)
+        if records:
+            total[0] = torch.stack(records).sum()
         dist.all_reduce(total, group=self.group)
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
         records.clear()
         return {"mtp_loss": total[0].item() / total[1].item()}

@@ -273,7 +273,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     forwards = microbatches(cfg) if pipeline else accum
     expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate, loss_mesh.get_group(),
                              pipeline.group if pipeline else None, t.moe_sequence_aux_coef)
-    further = FurtherTokens(model, forwards, t.mtp_loss_weight, loss_mesh.get_group())
+    further = FurtherTokens(pipeline.predictor if pipeline else model, args, forwards, t.mtp_loss_weight, device,
+                            loss_mesh.get_group(), pipeline.group if pipeline else None)
     rows, state_gib = [], None
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     preemption = Preemption(device)
@@ -296,7 +297,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 dist.all_reduce(loss_sum, group=loss_mesh.get_group())
                 preemption.agree()
                 loss_value = loss_sum.item() / (accum * loss_mesh.size())
-                grad_norm = clip_and_norm(model, t.max_norm, pipeline.group if pipeline else None)
+                grad_norm = clip_and_norm(model, t.max_norm, *((pipeline.group, pipeline.counted_elsewhere) if pipeline
+                                                                 else ()))
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                     raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
                                         f"stopped before the optimizer step, weights are from step {step - 1}")

@@ -113,8 +113,9 @@ class Transformer(nn.Module):
         sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMask (a dict
         of them by window, where blocks differ in their window). `next_tokens`: (token t+1, token
         t+2) at each position (-100: none), for multi-token prediction's loss."""
-        # A pipeline stage lacks some parts: what it lacks, the activations pass through.
-        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # A pipeline stage lacks some parts: what it lacks, the activations pass through. A later
+        # stage's input is the hidden state (the last may hold the embedding too: MTP's).
+        x = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
         start = cache.length if cache is not None else 0
         rope = self.rope[positions] if positions is not None else self.rope[start:]
         for layer in self.layers.values():

@@ -29,7 +29,7 @@ def local_squares(grad: torch.Tensor) -> tuple:
                     torch.zeros((), dtype=torch.float64, device=grad.device))
 
 
-def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> float:
+def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None, counted_elsewhere=frozenset()) -> float:
     """Global gradient norm over all shards, clipping to max_norm unless it is 0.
 
     Squares are summed in float64: each layout sums shards in its own order, and in fp32 those
@@ -40,13 +40,17 @@ def clip_and_norm(model: torch.nn.Module, max_norm: float, pp_group=None) -> flo
     Each rank sums the squares of the values it holds; gradients sharded over some mesh
     dimensions (FSDP2's over dp, TP's over tp) add those sums over exactly those dimensions,
     once per kind of sharding. Under pipeline parallelism each stage's sum is added over
-    `pp_group`. Clipping goes per mesh: one foreach call cannot mix meshes.
+    `pp_group`, without the parameters `counted_elsewhere` (a pipeline's copy of a parameter
+    another stage holds too: clipped, not counted twice). Clipping goes per mesh: one foreach call
+    cannot mix meshes.
     """
     by_mesh: dict = {}
     squares: dict = {}  # (mesh, which of its dimensions shard) or None (a plain tensor): float64 sum
     for p in model.parameters():
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+            if p in counted_elsewhere:
+                continue
             key, value = local_squares(p.grad)
             squares[key] = squares.get(key, 0) + value
     total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -39,16 +40,19 @@ from plait.precision import Precision, TrainContexts
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
 def stage_model(args: ModelArgs, blocks: range, first: bool, last: bool) -> Transformer:
-    """The plain model on the meta device with only one stage's parts, named as in the whole."""
+    """The plain model on the meta device with only one stage's parts, named as in the whole.
+    Multi-token prediction runs on the last stage, which embeds token t+1 with a copy of the
+    embedding: the same init, its gradient summed with the first stage's (`Pipeline`)."""
     with torch.device("meta"):
         model = Transformer(args)
     for i in range(args.n_layers):
         if i not in blocks:
             del model.layers[str(i)]
-    if not first:
+    if not first and not (last and args.mtp_layers):
         model.tok_embeddings = None
     if not last:
         model.norm = model.output = None
+        model.mtp = nn.ModuleDict()
     return model
 
 
@@ -76,12 +80,13 @@ class Stage(PipelineStage):
         self.recorded_before_run: list[int] | None = None  # each MoE layer's records when a run began
 
     def begin_run(self) -> None:
-        self.recorded_before_run = [len(moe.records) for moe in self.experts]
+        self.recorded_before_run = [len(moe.records) for moe in self.experts] + [len(self.submod.mtp_records)]
 
     def forward_one_chunk(self, *args, **kwargs):
         if self.recorded_before_run is not None:  # the run's first chunk: anything since is shape inference's
-            for moe, kept in zip(self.experts, self.recorded_before_run):
-                del moe.records[kept:]
+            for records, kept in zip([*(moe.records for moe in self.experts), self.submod.mtp_records],
+                                     self.recorded_before_run):
+                del records[kept:]
             self.recorded_before_run = None
         with self.contexts.forward():
             return super().forward_one_chunk(*args, **kwargs)
@@ -100,6 +105,20 @@ class Stage(PipelineStage):
             return super().perform_reduce_grad(*args, **kwargs)
 
 
+def embedding_pairs(mesh: DeviceMesh, last_stage: int):
+    """The group of this rank and the rank that holds the other end of the pipeline (the first
+    stage and the last, whose pp rank is `last_stage` mod pp) at the same place in the other
+    dimensions; None on the ranks between. Every rank creates every pair's group, in one order."""
+    pp = mesh["pp"].size()
+    ends = mesh.mesh.reshape(pp, -1)[[0, last_stage % pp]].T.tolist()
+    mine = None
+    for pair in ends:
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
 class StageParts(nn.Module):
     """This rank's stages as one module under the whole model's parameter names (the
     embedding, `layers.N`, norm, output), for the optimizer, clipping, checkpoints and init.
@@ -114,6 +133,8 @@ class StageParts(nn.Module):
             for name in ("tok_embeddings", "norm", "output"):
                 if getattr(part, name) is not None:
                     setattr(self, name, getattr(part, name))
+            if len(part.mtp):  # (the last stage's)
+                self.mtp = part.mtp
 
     def reset_buffers(self) -> None:
         for part in self.parts:
@@ -137,6 +158,12 @@ class Pipeline:
             stages.append(Stage(parts[-1], index, len(ranges), device, group=self.group, contexts=contexts))
         self.module, self.stages = StageParts(parts), stages
         self.has_first, self.has_last = 0 in indices, len(ranges) - 1 in indices
+        self.predictor = parts[-1] if self.has_last and args.mtp_layers else None  # (multi-token prediction's)
+        # Multi-token prediction's copy of the embedding on the last stage: its gradient summed
+        # with the first stage's in each pair of ranks that hold them, the same in both after; the
+        # gradient norm counts it once (`counted_elsewhere`: the copy's).
+        self.embedding_group = embedding_pairs(mesh, len(ranges) - 1) if args.mtp_layers else None
+        self.counted_elsewhere = {parts[-1].tok_embeddings.weight} if self.predictor and not self.has_first else set()
         m = self.microbatches = microbatches(cfg)
         self.scoring = False  # score(): the schedule's "loss" is each row's log-likelihood
 
@@ -164,6 +191,9 @@ class Pipeline:
         total = torch.zeros((), device=self.device)
         for loss in self._run(self.schedule.step, inputs, labels, attention):
             total += loss.detach()
+        if self.embedding_group is not None:  # (the first and the last stage's ranks)
+            grad = self.module.tok_embeddings.weight.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.embedding_group)
         return total
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, attention: dict) -> torch.Tensor:

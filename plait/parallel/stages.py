@@ -74,9 +74,10 @@ def check_pipeline(cfg: JobConfig) -> None:
         raise ConfigError(f"parallelism.pp: the model ties its output layer to its embedding"
                           f"{f' ({hf_start})' if hf_start else ''}, and the two live on the first and the last stage: "
                           "plait does not pipeline a tied model; allowed: pp 1 (DDP, FSDP2, HSDP, TP, SimpleFSDP)")
-    if (cfg.model.mtp_layers if cfg.model.mtp_layers >= 0 else shape.mtp_layers) > 0:
-        raise ConfigError("parallelism.pp: multi-token prediction reads the embedding, which lives on the first "
-                          "stage, from its module after the last block; allowed with pp > 1: model.mtp_layers 0")
+    if (cfg.model.mtp_layers if cfg.model.mtp_layers >= 0 else shape.mtp_layers) > 0 and p.pp_schedule == "zbv":
+        raise ConfigError("parallelism.pp_schedule: zbv runs the first and the last stage on one rank, where "
+                          "multi-token prediction's copy of the embedding (the last stage's) would share the first's "
+                          "name; allowed with model.mtp_layers > 0: gpipe, 1f1b, interleaved_1f1b, interleaved_zb")
     split_blocks(cfg.model.n_layers or shape.n_layers, stages, p.pp_split_points)
 
 

@@ -168,5 +168,10 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
     if args.n_experts:  # the step's expert load (int64 per layer and expert) and auxiliary loss; their pp reductions
         moe_blocks = sum(map(args.sparse, block_indices(blocks)))
         out["step", "all_reduce", "scalars"] += 8 * moe_blocks * args.n_experts + 8 + (8 + 16) * (p.pp > 1)
-    out["step", "all_reduce", "scalars"] += 8 * bool(args.mtp_layers)  # the MTP loss and its forwards (fp32)
+    # the MTP loss and its forwards (fp32; and over pp from the last stage)
+    out["step", "all_reduce", "scalars"] += 8 * bool(args.mtp_layers) * (1 + (p.pp > 1))
+    if p.pp > 1 and args.mtp_layers and "tok_embeddings.weight" in params:
+        # The first stage's embedding and the last stage's copy (MTP's) sum their gradients (fp32 shards)
+        rows, cols = local_rows_cols("tok_embeddings.weight", params["tok_embeddings.weight"], layout)
+        out["step", "all_reduce", "pp"] += 4 * math.ceil(rows / layout.shard) * cols
     return out

@@ -106,8 +106,10 @@ def rank_parameters(args: ModelArgs, cfg: JobConfig, stages: list[int] | None) -
     shapes = parameter_shapes(args)
     if stages is None:
         return shapes
+    last = stage_count(cfg) - 1 in stages  # (with multi-token prediction: its module and a copy of the embedding)
     keep = tuple(f"layers.{i}." for stage in stages for i in stage_blocks(args, cfg, stage))
-    keep += ("tok_embeddings.",) * (0 in stages) + ("norm.", "output.") * (stage_count(cfg) - 1 in stages)
+    keep += ("tok_embeddings.",) * (0 in stages or last and args.mtp_layers > 0) + ("norm.", "output.") * last
+    keep += tuple(f"layers.{args.n_layers + k}." for k in range(args.mtp_layers)) + ("mtp.",) if last else ()
     return {n: s for n, s in shapes.items() if n.startswith(keep)}
 
 
