@@ -85,8 +85,8 @@ class FurtherTokens:
             return {}
         records = self.model.mtp_records if self.model is not None else []
         total = torch.tensor([0.0, float(len(records))], device=self.device)
-        if records:
-            total[0] = torch.stack(records).sum()
+        if records:  # (under loss parallelism each a replicated DTensor)
+            total[0] = torch.stack([getattr(r, "full_tensor", lambda r=r: r)() for r in records]).sum()
         dist.all_reduce(total, group=self.group)
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)

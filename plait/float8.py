@@ -79,10 +79,13 @@ def layer_plan(args: ModelArgs, tp: int) -> dict[str, str]:
         if not isinstance(module, nn.Linear):
             continue
         rows, cols = module.out_features, module.in_features
-        if tp > 1 and name.startswith("layers.") and ".shared." not in name:  # (shared experts: whole, as experts)
+        in_block = name.startswith("layers.") or ".block." in name  # (multi-token prediction's block too)
+        if tp > 1 and in_block and ".shared." not in name:  # (shared experts: whole, as experts)
             rows, cols = (rows, cols // tp) if name.endswith(("wo", "w2")) else (rows // tp, cols)
-        if not name.startswith(("layers.", "mtp.")):  # (multi-token prediction's block and projection: as a block's)
+        if not name.startswith(("layers.", "mtp.")):
             plan[name] = "the output layer stays in the compute dtype (its logits feed the softmax directly)"
+        elif tp > 1 and not in_block:
+            plan[name] = "multi-token prediction's projection under TP (a replicated weight) stays in the compute dtype"
         elif name.endswith("router.gate"):
             plan[name] = "a router scores in float32 (a rounded score flips near-tied choices of experts)"
         elif tp > 1 and args.kv_lora_rank and ".attention." in name:

@@ -183,7 +183,6 @@ SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debu
 # DeepSeek-V3's sequence-wise balance loss at 1000x its 0.0001: strong enough that a layout's
 # wrong share of its gradient moves the losses past the parity bounds
 MLA = ["--model.flavor", "debug_mla", "--training.moe_sequence_aux_coef", "0.1"]
-NO_MTP = ["--model.mtp_layers", "0"]
 EP2 = ["--parallelism.ep", "2"]
 MUON = ["--optimizer.name", "muon"]
 
@@ -294,11 +293,10 @@ LAYOUTS = {
     "pp_gpt_oss": (2, [*GPT_OSS, *PP2]),
     "cp_gpt_oss": (2, [*GPT_OSS, *CP2, "--training.micro_batch_size", "2"]),
     # DeepSeek-V3 (debug_mla): latent attention, grouped sigmoid routing, a shared expert, block 0 dense,
-    # multi-token prediction (but under TP and PP, which do not have it yet: against single_mla_no_mtp)
+    # multi-token prediction (under PP on the last stage)
     "single_mla": (1, [*MLA, "--training.micro_batch_size", "2"]),
-    "single_mla_no_mtp": (1, [*MLA, *NO_MTP, "--training.micro_batch_size", "2"]),
     "fsdp2_mla": (2, [*MLA, *degrees(1, 2)]),
-    "tp_mla": (2, [*MLA, *NO_MTP, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "tp_mla": (2, [*MLA, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "ep2_mla": (2, [*MLA, *EP2]),
     "ep2_fsdp2_mla": (4, [*MLA, *EP2]),  # experts over 2 of the 4 FSDP2 ranks, each rank one sequence
     "pp_mla": (2, [*MLA, *PP2]),  # MTP on the last stage, with a copy of the embedding
@@ -349,7 +347,7 @@ def reference(args: list[str]) -> str:
     if MOE[1] in args:  # (the rows whose ranks forward 1 sequence at a time are named in ONE_PER_FORWARD)
         return "single_moe"
     if MLA[1] in args:
-        return "single_mla_no_mtp" if NO_MTP[1] in args else "single_mla_f8" if FLOAT8[0] in args else "single_mla"
+        return "single_mla_f8" if FLOAT8[0] in args else "single_mla"
     if QWEN3[0] in args:
         return f"single_{args[args.index(QWEN3[0]) + 1].removeprefix('debug_')}{'_tied' * (TIED[0] in args)}"
     if FLOAT8[0] in args:

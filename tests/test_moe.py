@@ -231,8 +231,8 @@ def test_latent_attention_runs_in_bf16_and_its_router_in_fp32(train_once, name):
     rows = [r for r in probe if r["kind"] in ("matmul", "attention")]
     fp32 = [(r["phase"], r["op"], r["count"]) for r in rows if r["dtypes"] != "bfloat16"]
     # router forwards per rank and step: FSDP2 one micro-batch through a MoE block and the MTP
-    # module's; TP (no MTP) two micro-batches through one MoE block
-    routers = {"fsdp2_mla": 2, "tp_mla": 2}[name]
+    # module's; TP two micro-batches through both
+    routers = {"fsdp2_mla": 2, "tp_mla": 4}[name]
     assert fp32 == [("backward", "mm", 2 * routers), ("forward", "mm", routers)], probe
     assert {r["op"] for r in rows if r["kind"] == "attention"} == {"_scaled_dot_product_flash_attention_for_cpu"}
 

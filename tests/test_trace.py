@@ -171,10 +171,13 @@ def test_latent_attention_gathers_its_latents_under_cp_and_sums_partial_gradient
     step). CP2: every block all-gathers its key latents and RoPE keys in bf16 (beside FSDP2's
     parameter gathers) and reduce-scatters their gradients in bf16, 2 x 3 x 2 = 12 calls per step;
     the sequence-wise loss sums each MoE layer's routing over cp in fp32 (2 layers x 2); FSDP2's
-    gradients travel in fp32. TP2 (no MTP): sequence parallelism's gathers and scatters in bf16
-    both ways, and in backward one all-reduce per partial gradient (the latents' projections and
-    norms, the blocks' norms), in the fp32 reduce dtype: the gradients accumulate over two
-    micro-batches."""
+    gradients travel in fp32. TP2 (two micro-batches): sequence parallelism's gathers and
+    scatters in bf16 both ways (per micro-batch 2 per block, 3 blocks with MTP's; the output
+    layer's input gathered twice, MTP's too, the embedding's output scattered twice; a MoE block
+    hands back its own part: no scatter), loss parallelism's 3 fp32 all-reduces per loss (the
+    model's and MTP's), and in backward one all-reduce per partial gradient (the latents'
+    projections and norms, the norms, MTP's projection), in the fp32 reduce dtype: the gradients
+    accumulate over the micro-batches."""
     layout_run(train_once, "cp_mla", BF16)
     world, args = SHARED["cp_mla"]
     code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
@@ -185,9 +188,9 @@ def test_latent_attention_gathers_its_latents_under_cp_and_sums_partial_gradient
     layout_run(train_once, "tp_mla", BF16)
     world, args = SHARED["tp_mla"]
     code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
-                           "--expect", "forward:all_gather:bf16=10", "--expect", "forward:reduce_scatter:bf16=8",
-                           "--expect", "backward:all_gather:bf16=10", "--expect", "backward:reduce_scatter:bf16=8",
-                           "--expect", "backward:all_reduce:fp32=13")
+                           "--expect", "forward:all_gather:bf16=16", "--expect", "forward:reduce_scatter:bf16=12",
+                           "--expect", "backward:all_gather:bf16=16", "--expect", "backward:reduce_scatter:bf16=12",
+                           "--expect", "forward:all_reduce:fp32=12", "--expect", "backward:all_reduce:fp32=23")
     assert code == 0, out + err
 
 

@@ -119,12 +119,12 @@ class AuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+        ctx.aux_gradient = torch.full_like(aux, scale)  # (aux's kind of tensor: a DTensor under loss parallelism)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, device=grad.device), None
+        return grad, ctx.aux_gradient, None
 
 
 def in_backward() -> bool:

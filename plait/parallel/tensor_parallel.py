@@ -48,9 +48,6 @@ def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
     tp, p = cfg.parallelism.tp, cfg.parallelism
     if tp == 1:
         return
-    if args.mtp_layers:
-        raise ConfigError("parallelism.tp: plait's TP plan does not cover the multi-token prediction module yet; "
-                          "allowed with tp > 1: model.mtp_layers 0")
     sizes = {"model n_heads": args.n_heads, "model n_kv_heads": args.n_kv_heads, "model FFN hidden size": args.ffn_hidden}
     if p.loss_parallel:
         sizes["vocabulary size (parallelism.loss_parallel)"] = args.vocab_size
@@ -173,7 +170,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     # A pipeline stage holds some of these parts only; between stages activations travel as the
     # local pieces of `between`, which the next stage's first block expects.
     parallelize_module(model, tp_mesh, {name: plan for name, plan in outer.items() if getattr(model, name) is not None})
-    for block in model.layers.values():
+    for predictor in model.mtp.values() if sequence_parallel else ():
+        # Multi-token prediction's norms and projection run on the sequence shard, their weights
+        # replicated with partial gradients (without SP every rank runs them whole: plain tensors);
+        # its block is split as the others below, its embedding and output layer are the model's.
+        parallelize_module(predictor, tp_mesh, {name: SequenceParallel(use_local_output=name != "norm")
+                                                for name in ("enorm", "hnorm", "eh_proj", "norm")})
+    for block in model.blocks():
         plan = {
             # The block input arrives split (SP) and is gathered once for q/k/v; RoPE's table
             # (second argument) is a plain tensor every rank already holds.

@@ -105,10 +105,13 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # before the FFN's own reduce-scatter).
         # A mixture of experts runs whole on its gathered input and hands back its own part: no
         # reduce-scatter in forward, and in backward its output's gradient gathered, its input's sliced.
-        first, last = "tok_embeddings.weight" in params, holds_output(args, params)
+        # Multi-token prediction (on the last stage) embeds (scatters) and projects to logits
+        # (gathers) once more.
+        first, last = stages is None or 0 in stages, holds_output(args, params)
+        embeds, outputs = first + args.mtp_layers * last, last * (1 + args.mtp_layers)
         activation = tokens * args.dim * e
         moe = sum(map(args.sparse, block_indices(blocks)))
-        gathers, scatters = 2 * len(blocks) + last, 2 * len(blocks) + first - moe  # in forward
+        gathers, scatters = 2 * len(blocks) + outputs, 2 * len(blocks) + embeds - moe  # in forward
         out["forward", "all_gather", "tp"] += passes * gathers * activation
         out["forward", "reduce_scatter", "tp"] += passes * scatters * activation
         out["backward", "all_gather", "tp"] += passes * (scatters + moe + 2 * recomputed) * activation
@@ -117,10 +120,12 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # weights' gradients, partial sums over each rank's sequence shard (a per-head q/k
         # norm's and latent attention's latents': over its heads), are all-reduced once per step, in the reduce dtype when FSDP2
         # accumulated them over several micro-batches.
-        out["forward", "all_reduce", "tp"] += passes * last * 3 * tokens * 4
+        out["forward", "all_reduce", "tp"] += passes * outputs * 3 * tokens * 4
         norms = (2 * len(blocks) + last) * args.dim + 2 * len(blocks) * args.head_dim * (args.qk_norm == "head")
         # (latent attention's latent projections and norms, whole on each rank: partial gradients too)
         norms += sum(math.prod(shape) for name, shape in params.items() if LATENT.search(name))
+        # (multi-token prediction's norms and projection, on the sequence shard: partial gradients)
+        norms += sum(math.prod(shape) for name, shape in params.items() if name.startswith("mtp."))
         out["backward", "all_reduce", "tp"] += norms * (e if passes == 1 else reduce)
         if args.qk_norm == "projection":
             # Each q/k norm all-reduces one fp32 sum of squares per token, and its gradient in

@@ -147,8 +147,6 @@ def applies(key: str, flavor: str, attention_mask: str) -> str:
         return f"only {', '.join(DENSE_TWINS)} has a dense twin"
     if key == "attention_twin" and flavor not in ATTENTION_TWINS:
         return f"only {', '.join(ATTENTION_TWINS)} has a twin of another attention"
-    if FLAVORS[flavor].mtp_layers and "tp" in key.split("_"):
-        return "multi-token prediction is refused under TP (--model.mtp_layers 0 trains without it)"
     if key == "no_mtp" and not FLAVORS[flavor].mtp_layers:
         return "it needs multi-token prediction (e.g. --flavor small_mla)"
     if key == "transformers":
