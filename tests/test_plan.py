@@ -223,6 +223,17 @@ def test_plan_prints_the_top_rows_with_speed_and_the_command_of_the_best(capsys)
     assert "plan: run it: torchrun --nnodes 2 --nproc-per-node 8 " in out and "-m plait train " in out
 
 
+def test_the_command_of_the_best_row_names_each_option_once(capsys):
+    """Options the layout sets replace the ones plan was given (torchrun's argv is not the place
+    for a reader to guess which of two wins)."""
+    assert main(["plan", "--world", "4", "--device_memory_gib", "80", *TINY, "--parallelism.cp", "2",
+                 "--activation_checkpoint.mode=none"]) == 0
+    command = capsys.readouterr().out.split("plan: run it: ")[1].splitlines()[0]
+    for option in ("--parallelism.cp ", "--parallelism.dp_shard ", "--activation_checkpoint.mode "):
+        assert command.count(option) == 1, command
+    assert "--parallelism.cp 2 " in command and "--activation_checkpoint.mode=" not in command
+
+
 def test_a_mixture_of_experts_plan_searches_ep_and_counts_its_all_to_alls(capsys):
     """ep splits the experts instead of FSDP2 gathering them: its rows trade expert all-gathers
     for token all-to-alls (balanced routing), which the plan counts."""

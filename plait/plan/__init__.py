@@ -152,10 +152,28 @@ def verdict(rows: list[Row], memory_gib: float) -> str:
             f"{top.micro_batch_size}: {reason}{recompute}")
 
 
+def without(argv: list[str], names: set[str]) -> list[str]:
+    """argv less the options `names` (given as `--name value` or `--name=value`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=", 1)[0] in names:
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    return kept
+
+
 def launch_command(row: Row, train_argv: list[str], world: int, node_size: int) -> str:
-    """The command that runs the best row: plait train on one node, torchrun per node beyond."""
+    """The command that runs the best row: plait train on one node, torchrun per node beyond.
+    The row's own options replace any the plan was given (each option once)."""
     degrees = dict(part.split("=") for part in row.layout.split(","))
-    options = [*train_argv, *(f"--parallelism.{name} {degrees.get(name, '1')}"
+    mine = {f"--parallelism.{name}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "cp_kind",
+                                                  "cp_ulysses")} | {"--activation_checkpoint.mode"}
+    if row.micro_batch_size and degrees.get("pp") == "1":
+        mine.add("--training.micro_batch_size")
+    options = [*without(train_argv, mine), *(f"--parallelism.{name} {degrees.get(name, '1')}"
                               for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")),
                *(f"--parallelism.{name} {degrees[name]}" for name in ("cp_kind", "cp_ulysses") if name in degrees),
                f"--activation_checkpoint.mode {row.activation_checkpoint}"]
