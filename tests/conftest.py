@@ -299,6 +299,7 @@ LAYOUTS = {
     "tp_mla": (2, [*MLA, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "ep2_mla": (2, [*MLA, *EP2]),
     "ep2_fsdp2_mla": (4, [*MLA, *EP2]),  # experts over 2 of the 4 FSDP2 ranks, each rank one sequence
+    "hsdp_mla": (4, [*MLA, *degrees(2, 2)]),
     "pp_mla": (2, [*MLA, *PP2]),  # MTP on the last stage, with a copy of the embedding
     "cp_mla": (2, [*MLA, *CP2, "--training.micro_batch_size", "2"]),
     "single_mla_f8": (1, [*MLA, *FLOAT8, "--training.micro_batch_size", "2"]),  # (the MTP module's layers too)

@@ -127,6 +127,7 @@ LAYOUT_JOBS = [
          "--parallelism.pp_microbatches", "8", "--parallelism.pp_split_points", "1", "2", "3"]),
     (2, [*PP2, *DEEP, "--parallelism.pp_schedule", "zbv"]),
     (2, ["--parallelism.cp", "2"]),
+    (2, ["--model.flavor", "debug_mla", "--parallelism.cp", "2", "--parallelism.cp_gather", "expanded"]),
     (2, ["--parallelism.cp", "2", "--parallelism.cp_kind", "ulysses"]),
     (4, ["--parallelism.cp", "4", "--parallelism.cp_kind", "hybrid", "--parallelism.cp_ulysses", "2"]),
     (2, ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2", "--compile.autograd"]),

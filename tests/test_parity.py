@@ -110,6 +110,7 @@ MOE_BOUNDS = {("simple_fsdp_moe", "fp32"): BITWISE,  # (measured: data paralleli
               ("ep2_mla", "fp32"): FP32_REORDERED,
               ("cp_mla", "fp32"): FP32_REORDERED, ("cp_mla", "bf16"): BF16_REORDERED,
               ("ep2_fsdp2_mla", "fp32"): MOE_REORDERED,  # (world 4: 4.8e-7, the loss and the MTP loss)
+              ("hsdp_mla", "fp32"): MOE_REORDERED,
               ("tp_mla", "fp32"): MOE_REORDERED, ("tp_mla", "bf16"): MLA_TP_BF16,
               ("fsdp2_mla_f8", "fp32"): BITWISE}  # (float8 as for fsdp2_f8: scales over the same values)
 # Muon against the single device with Muon. Each matrix is orthogonalised whole in fp32 from the
