@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.models.moe import moe_layers
 from plait.models.flavors import ModelArgs
@@ -86,7 +87,7 @@ class FurtherTokens:
         records = self.model.mtp_records if self.model is not None else []
         total = torch.tensor([0.0, float(len(records))], device=self.device)
         if records:  # (under loss parallelism each a replicated DTensor)
-            total[0] = torch.stack([getattr(r, "full_tensor", lambda r=r: r)() for r in records]).sum()
+            total[0] = torch.stack([r.full_tensor() if isinstance(r, DTensor) else r for r in records]).sum()
         dist.all_reduce(total, group=self.group)
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)

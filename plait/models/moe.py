@@ -4,8 +4,8 @@ token, the experts run as grouped matmuls, and their outputs come back weighted.
 - Router: softmax over the experts then the top k, renormalised (Qwen3-MoE, Mixtral), or a
   sigmoid per expert with a load-balancing bias that steers the choice but not the weights
   (DeepSeek-V3; its top k from the best groups of experts only, which bounds the nodes a token's
-  experts lie on under expert parallelism), and optionally its sequence-wise auxiliary loss. Always in float32, the gate's matmul included: a bf16 score would
-  flip near-tied choices. (Its operands are what the block holds: under bf16 param mode the
+  experts lie on under expert parallelism), and optionally its sequence-wise auxiliary loss.
+  Always in float32, the gate's matmul included: a bf16 score would flip near-tied choices. (Its operands are what the block holds: under bf16 param mode the
   gate's weight arrives cast as the block's others do, as in torchtitan and transformers.)
   Ties go to the lower expert index (a stable sort), so every layout that computes the same
   scores picks the same experts.
@@ -14,8 +14,9 @@ token, the experts run as grouped matmuls, and their outputs come back weighted.
 - Experts: E SwiGLUs stored as [E, ...] tensors, run by `torch._grouped_mm` over the tokens
   sorted by expert, in the compute dtype (gpt-oss's: with biases, and the clamped SwiGLU).
 - Auxiliary load-balancing loss (Switch Transformer's E * sum_e f_e * P_e over the batch; for a
-  sigmoid router DeepSeek-V3's, per sequence): added to the gradient in backward without touching the loss the model returns, so every schedule
-  (accumulation, pipelines) carries it as it carries the loss (the trainer sets its scale).
+  sigmoid router DeepSeek-V3's, per sequence): added to the gradient in backward without
+  touching the loss the model returns, so every schedule (accumulation, pipelines) carries it as
+  it carries the loss (the trainer sets its scale).
 
 No parallelism here: expert parallelism (plait/parallel/expert_parallel.py) replaces the experts'
 forward with one that sends tokens to the ranks that hold their experts and calls `swiglu_experts`
@@ -185,7 +186,6 @@ class MoE(nn.Module):
             counts = self.sequence_sum(counts)
         return self.n_experts * (counts.float() / tokens * (scores.sum(0) / tokens)).sum()
 
-
     def sequence_aux_loss(self, experts: torch.Tensor, scores: torch.Tensor, sequences: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss: the mean over sequences of sum_e f_e P_e, f_e
         = E / (k T) x the sequence's token-slots routed to e, P_e the mean over its T tokens of e's
@@ -193,9 +193,9 @@ class MoE(nn.Module):
         counts every rank's tokens and this rank's term sums its own tokens' scores, as `aux_loss`."""
         n, k = self.n_experts, self.router.top_k
         tokens = scores.shape[0] // sequences * self.sequence_ranks
-        chosen = experts.reshape(sequences, -1)
-        slots = torch.zeros(sequences, n, device=scores.device).scatter_add_(1, chosen, torch.ones(chosen.shape,
-                                                                                                    device=scores.device))
+        chosen = experts.reshape(sequences, -1)  # each sequence's tokens' k experts
+        slots = torch.zeros(sequences, n, device=scores.device)
+        slots.scatter_add_(1, chosen, torch.ones(chosen.shape, device=scores.device))
         if self.sequence_sum is not None:
             slots = self.sequence_sum(slots)
         shares = (scores / scores.sum(-1, keepdim=True)).view(sequences, -1, n).sum(1) / tokens

@@ -50,8 +50,8 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # Under float8 all-gather the converted weights travel as one byte per element, with
         # scales computed after each optimizer step: one all-reduce of every weight's amax (an
         # fp32 scalar each) for the step's gathers.
-        eight = {plan_name(f"{name}.weight", args) for name, why in float8.layer_plan(args, p.tp).items() if not why} \
-            if float8.fsdp_all_gather(cfg) else set()
+        eight = {plan_name(f"{name}.weight", args) for name, why in float8.layer_plan(args, p.tp).items()
+                 if not why} if float8.fsdp_all_gather(cfg) else set()
         gathered = {u: sum(gathered_elements({n: s}, layout) * (1 if n in eight else gather) for n, s in unit.items())
                     for u, unit in grouped.items()}
         out["optimizer", "all_reduce", "dp_shard"] += 4 * len(eight & set(params))
