@@ -46,6 +46,15 @@ def trace(capsys, *argv):
     return code, out.out, out.err
 
 
+def expect_of_shared_bf16_run(train_once, capsys, layout: str, *expectations: str) -> None:
+    """`plait trace --expect E ...` of the parity matrix's bf16 run of `layout` holds."""
+    layout_run(train_once, layout, BF16)
+    world, args = SHARED[layout]
+    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
+                           *(arg for e in expectations for arg in ("--expect", e)))
+    assert code == 0, out + err
+
+
 @pytest.mark.slow
 def test_fsdp2_gathers_bf16_in_forward_and_reduce_scatters_fp32_in_backward(traces, capsys):
     folder = traces("fsdp2")
@@ -141,12 +150,8 @@ def test_context_parallel_gathers_keys_and_values_in_forward_and_reduce_scatters
     block all-gathers K and V in forward (bf16, beside FSDP2's parameter gathers) and reduce-scatters
     their gradients in backward in bf16, 2 x 2 x 2 = 8 calls per step, where FSDP2's gradient
     reduce-scatters are fp32."""
-    layout_run(train_once, "cp", BF16)
-    world, args = SHARED["cp"]
-    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
-                           "--expect", "forward:all_gather:bf16", "--expect", "backward:reduce_scatter:bf16=8",
-                           "--expect", "backward:reduce_scatter:fp32", "--expect", "forward:!reduce_scatter")
-    assert code == 0, out + err
+    expect_of_shared_bf16_run(train_once, capsys, "cp", "forward:all_gather:bf16", "backward:reduce_scatter:bf16=8",
+                              "backward:reduce_scatter:fp32", "forward:!reduce_scatter")
 
 
 @pytest.mark.slow
@@ -156,13 +161,9 @@ def test_ulysses_sends_heads_all_to_all_in_bf16_and_gathers_no_keys(train_once, 
     2 x 2 x 4 = 16 calls each way; no keys or values are all-gathered: the only all-gathers are
     FSDP2's, one per unit and micro-batch in forward (3 units: 2 blocks and the root, x 2) and
     again for the first block in backward, and the only reduce-scatters its fp32 gradients."""
-    layout_run(train_once, "cp_ulysses", BF16)
-    world, args = SHARED["cp_ulysses"]
-    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
-                           "--expect", "forward:all_to_all:bf16=16", "--expect", "backward:all_to_all:bf16=16",
-                           "--expect", "forward:all_gather:bf16=6", "--expect", "backward:all_gather:bf16=2",
-                           "--expect", "backward:reduce_scatter:fp32", "--expect", "forward:!reduce_scatter")
-    assert code == 0, out + err
+    expect_of_shared_bf16_run(train_once, capsys, "cp_ulysses", "forward:all_to_all:bf16=16",
+                              "backward:all_to_all:bf16=16", "forward:all_gather:bf16=6", "backward:all_gather:bf16=2",
+                              "backward:reduce_scatter:fp32", "forward:!reduce_scatter")
 
 
 @pytest.mark.slow
@@ -178,20 +179,12 @@ def test_latent_attention_gathers_its_latents_under_cp_and_sums_partial_gradient
     model's and MTP's), and in backward one all-reduce per partial gradient (the latents'
     projections and norms, the norms, MTP's projection), in the fp32 reduce dtype: the gradients
     accumulate over the micro-batches."""
-    layout_run(train_once, "cp_mla", BF16)
-    world, args = SHARED["cp_mla"]
-    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
-                           "--expect", "forward:all_gather:bf16", "--expect", "backward:reduce_scatter:bf16=12",
-                           "--expect", "forward:all_reduce:fp32=4", "--expect", "backward:reduce_scatter:fp32",
-                           "--expect", "forward:!reduce_scatter")
-    assert code == 0, out + err
-    layout_run(train_once, "tp_mla", BF16)
-    world, args = SHARED["tp_mla"]
-    code, out, err = trace(capsys, train_once.traces[(world, (*STEPS, *args, *BF16))],
-                           "--expect", "forward:all_gather:bf16=16", "--expect", "forward:reduce_scatter:bf16=12",
-                           "--expect", "backward:all_gather:bf16=16", "--expect", "backward:reduce_scatter:bf16=12",
-                           "--expect", "forward:all_reduce:fp32=12", "--expect", "backward:all_reduce:fp32=23")
-    assert code == 0, out + err
+    expect_of_shared_bf16_run(train_once, capsys, "cp_mla", "forward:all_gather:bf16",
+                              "backward:reduce_scatter:bf16=12", "forward:all_reduce:fp32=4", "backward:reduce_scatter:fp32", "forward:!reduce_scatter")
+    expect_of_shared_bf16_run(train_once, capsys, "tp_mla", "forward:all_gather:bf16=16",
+                              "forward:reduce_scatter:bf16=12", "backward:all_gather:bf16=16",
+                              "backward:reduce_scatter:bf16=12", "forward:all_reduce:fp32=12",
+                              "backward:all_reduce:fp32=23")
 
 
 @pytest.mark.parametrize("argv, fragment", [

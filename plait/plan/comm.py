@@ -92,7 +92,8 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         if latent:
             per_key = passes * (args.kv_lora_rank + args.qk_rope_head_dim) * e
         for block in block_indices(blocks):
-            keys = (not latent) * p.cp * window_tail_keys(args, cfg, block, tokens) or tokens * p.cp  # tails, or all
+            tails = 0 if latent else window_tail_keys(args, cfg, block, tokens)
+            keys = p.cp * tails or tokens * p.cp  # every rank's tails, or all
             out["forward", "all_gather", "cp"] += keys * per_key
             out["backward", "all_gather", "cp"] += (block in checkpointed) * keys * per_key
             out["backward", "reduce_scatter", "cp"] += keys * per_key
