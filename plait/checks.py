@@ -14,7 +14,8 @@ from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
 from plait.parallel.context_parallel import check_context_parallel
 from plait.parallel.expert_parallel import check_expert_options
-from plait.parallel.stages import check_pipeline
+from plait.parallel.stages import check_pipeline, microbatches
+from plait.float8 import check_tokens
 from plait.precision import resolve
 from plait.optim.schedule import check_schedule
 from plait.metrics.wandb_log import check_wandb
@@ -33,6 +34,9 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     check_wandb(cfg)
     if cfg.parallelism.pp > 1:
         check_pipeline(cfg)
+    p, t = cfg.parallelism, cfg.training
+    sequences = t.micro_batch_size // (microbatches(cfg) if p.pp > 1 else 1)
+    check_tokens(cfg, sequences * t.seq_len // p.cp)  # (the tokens of one micro-batch's matmuls on a rank)
     return cfg
 
 

@@ -107,9 +107,10 @@ class Training:
     """dtype gradients travel and are reduced in"""
     mixed_precision_mode: Literal["param", "autocast"] = "param"
     """param: parameters cast at module boundaries (FSDP2 policy); autocast: op-level torch.autocast in forward"""
-    float8: Literal["none", "tensorwise", "rowwise"] = "none"
-    """float8 matmuls in the blocks' linear layers (torchao's recipes: scales per tensor or per row; needs
-    the .[float8] extra); master weights, attention, norms and the output layer stay as above"""
+    float8: Literal["none", "tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_hp"] = "none"
+    """float8 matmuls in the blocks' linear layers (torchao's recipes, the .[float8] extra: scales per tensor,
+    per row, or MXFP8's per 32 elements, also on the experts; mxfp8_wgrad_hp: weight gradients in the compute
+    dtype); master weights, attention, norms and the output layer stay as above"""
     moe_aux_loss_coef: float = 0.001
     """mixtures of experts with a softmax router: weight of the load-balancing loss (Switch Transformer's, the
     mean over MoE layers) added to the gradient; 0 = none (it is logged either way)"""

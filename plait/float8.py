@@ -10,6 +10,14 @@ The output projection stays in the compute dtype: its logits go straight into th
 float8's 3-bit mantissa would be an error in every token's loss, and it is one layer of many
 (torchao's and torchtitan's recipes leave it out too).
 
+MXFP8 (`mxfp8`, Blackwell's format; `mxfp8_wgrad_hp` keeps the weight gradient's matmul in the
+compute dtype) scales each run of 32 elements along a matmul's reduced dimension by a power of
+two (e8m0), and covers the experts' grouped matmuls too: torchao's MXFP8 training tensor wraps
+each converted weight and turns its matmuls into quantise-then-multiply. Native on sm100+;
+elsewhere torchao's emulation casts to float8 and back and multiplies in the compute dtype, the
+same numbers, slowly. FSDP2 gathers those weights in the compute dtype (as torchao does): MXFP8
+scales are per block of the whole tensor's rows, which a shard does not hold.
+
 Under FSDP2 with `tensorwise`, parameters are all-gathered as float8 (one byte per element
 instead of bf16's two): each shard is cast with the scale of the whole tensor (one all-reduce
 of its amax) before the all-gather. gloo has no float8 type, so the float8 buffers travel as
@@ -26,17 +34,36 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custom_all_gather's interface (no public path)
 
 from plait.config import ConfigError, JobConfig
 from plait.models.flavors import ModelArgs
+from plait.models.moe import GroupedExperts
 from plait.models.transformer import Transformer
 
 # _scaled_mm multiplies float8 matrices whose dimensions are multiples of 16 (CUDA's kernels need
 # it; the CPU kernel accepts any shape, but a layer that could not run float8 on a GPU must not
 # run it here either, so a run means the same on both).
 MULTIPLE = 16
+# MXFP8 scales blocks of 32 elements along every dimension a matmul reduces: a weight's rows and
+# columns, and (for the weight gradient) the tokens of a micro-batch.
+MX_BLOCK = 32
+
+
+def microscaling(recipe: str) -> bool:
+    return recipe.startswith("mxfp8")
+
+
+def native_mxfp8(device: torch.device) -> tuple[bool, str]:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 10:
+            return True, f"sm{major}{minor} has MXFP8 tensor cores"
+        return False, f"sm{major}{minor} has no MXFP8 tensor cores (they need sm100+: B200, GB200, GB300)"
+    return False, "this CPU has no MXFP8 matmul units: torchao's emulation quantises and multiplies in the compute dtype"
 
 
 def available() -> bool:
@@ -53,9 +80,13 @@ def native_float8(device: torch.device) -> tuple[bool, str]:
     return False, "this CPU has no float8 matmul units: torch's CPU _scaled_mm dequantises and multiplies in float32"
 
 
+def native(recipe: str, device: torch.device) -> tuple[bool, str]:
+    return native_mxfp8(device) if microscaling(recipe) else native_float8(device)
+
+
 def check_float8(cfg: JobConfig, device: torch.device) -> None:
     """What the options and the device alone tell: the layout runs float8, or one line why not."""
-    recipe, p = cfg.training.float8, cfg.parallelism
+    recipe, p, t = cfg.training.float8, cfg.parallelism, cfg.training
     if recipe == "none":
         return
     if not available():
@@ -65,15 +96,27 @@ def check_float8(cfg: JobConfig, device: torch.device) -> None:
         raise ConfigError("training.float8: not with parallelism.dp_backend simple_fsdp (its parametrization "
                           "gathers weights in the compute dtype and would silently skip float8 all-gather); "
                           "allowed: fsdp2, ddp")
-    if device.type == "cuda" and not native_float8(device)[0]:
+    if microscaling(recipe) and t.mixed_precision_mode == "autocast":
+        raise ConfigError(f"training.float8: {recipe} needs training.mixed_precision_mode param (under autocast the "
+                          "weights reach torchao's MXFP8 matmul in fp32 beside inputs in bf16); allowed: param")
+    if device.type == "cuda" and not microscaling(recipe) and not native_float8(device)[0]:
         raise ConfigError(f"training.float8: {native_float8(device)[1]}; allowed here: none")
 
 
-def layer_plan(args: ModelArgs, tp: int) -> dict[str, str]:
+def check_tokens(cfg: JobConfig, tokens: int) -> None:
+    """mxfp8 quantises the weight gradient's inputs along the tokens of a micro-batch on a rank."""
+    if cfg.training.float8 == "mxfp8" and tokens % MX_BLOCK:
+        raise ConfigError(f"training.float8: mxfp8's weight gradients reduce over a micro-batch's {tokens} tokens per "
+                          f"rank, not a multiple of {MX_BLOCK}: change training.seq_len or micro_batch_size; allowed: "
+                          "mxfp8_wgrad_hp (weight gradients in the compute dtype), none")
+
+
+def layer_plan(args: ModelArgs, tp: int, recipe: str = "tensorwise") -> dict[str, str]:
     """Every linear layer of the model -> "" if it runs float8, else why not. Under TP the shapes
     that count are each rank's (column-wise layers split their outputs, row-wise their inputs)."""
     with torch.device("meta"):
         model = Transformer(args)
+    multiple = MX_BLOCK if microscaling(recipe) else MULTIPLE
     plan = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -90,27 +133,53 @@ def layer_plan(args: ModelArgs, tp: int) -> dict[str, str]:
             plan[name] = "a router scores in float32 (a rounded score flips near-tied choices of experts)"
         elif tp > 1 and args.kv_lora_rank and ".attention." in name:
             plan[name] = "latent attention under TP has its own plan (latents whole on each rank), not float8's"
-        elif rows % MULTIPLE or cols % MULTIPLE:
-            plan[name] = f"its {'per-rank ' * (tp > 1)}weight {rows}x{cols} is not a multiple of {MULTIPLE} in both dimensions"
+        elif microscaling(recipe) and module.bias is not None:
+            plan[name] = "torchao 0.18's MXFP8 linear would drop its bias"
+        elif rows % multiple or cols % multiple:
+            plan[name] = f"its {'per-rank ' * (tp > 1)}weight {rows}x{cols} is not a multiple of {multiple} in both dimensions"
         else:
             plan[name] = ""
     return plan
 
 
-def check_layers(args: ModelArgs, cfg: JobConfig) -> None:
-    """Refuse a float8 run in which no linear layer would run float8: it would silently be bf16."""
+def compute_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def expert_plan(args: ModelArgs, recipe: str, device: torch.device, compute: torch.dtype) -> dict[str, str]:
+    """Every mixture-of-experts layer's grouped experts -> "" if their matmuls run `recipe`, else why not."""
+    if not args.n_experts:
+        return {}
+    if not microscaling(recipe):
+        why = "" if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) else \
+            "torchao's float8 grouped matmul needs CUDA sm90+ (its scales are triton kernels)"
+    elif compute != torch.bfloat16:
+        why = f"torchao's MXFP8 grouped matmul multiplies in bfloat16 only (the compute dtype is {compute_name(compute)})"
+    elif args.dim % MX_BLOCK or args.moe_hidden % MX_BLOCK:
+        why = f"their weights {args.moe_hidden}x{args.dim} are not a multiple of {MX_BLOCK} in both dimensions"
+    else:
+        why = ""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: why for name, module in model.named_modules() if isinstance(module, GroupedExperts)}
+
+
+def check_layers(args: ModelArgs, cfg: JobConfig, device: torch.device, compute: torch.dtype) -> None:
+    """Refuse a float8 run in which no matmul would run float8: it would silently be bf16."""
     if cfg.training.float8 == "none":
         return
-    plan = layer_plan(args, cfg.parallelism.tp)
+    plan = {**layer_plan(args, cfg.parallelism.tp, cfg.training.float8),
+            **expert_plan(args, cfg.training.float8, device, compute)}
     if not any(why == "" for why in plan.values()):
         reasons = sorted({why for why in plan.values()})
         raise ConfigError(f"training.float8: no linear layer of this model can run float8 ({'; '.join(reasons)}); "
                           f"allowed: none")
 
 
-def summary(args: ModelArgs, cfg: JobConfig, device: torch.device) -> str:
+def summary(args: ModelArgs, cfg: JobConfig, device: torch.device, compute: torch.dtype) -> str:
     """The start-up line: which layers run float8, which do not and why, native or emulated."""
-    plan = layer_plan(args, cfg.parallelism.tp)
+    recipe = cfg.training.float8
+    plan, experts = layer_plan(args, cfg.parallelism.tp, recipe), expert_plan(args, recipe, device, compute)
     converted = sum(why == "" for why in plan.values())
     kinds: dict[str, list[str]] = {}
     for name, why in plan.items():
@@ -118,15 +187,18 @@ def summary(args: ModelArgs, cfg: JobConfig, device: torch.device) -> str:
             kinds.setdefault(why, []).append(name)
     excluded = "; ".join(f"{len(names)} not ({', '.join(names[:3])}{', ...' * (len(names) > 3)}: {why})"
                          for why, names in kinds.items())
-    native, why = native_float8(device)
+    native_here, why = native(recipe, device)
     p = cfg.parallelism
     gather = "" if p.dp_shard * p.cp == 1 or p.dp_backend != "fsdp2" else \
         " | float8 all-gather of parameters" if fsdp_all_gather(cfg) else \
         " | parameters all-gathered in the compute dtype (float8 all-gather takes tensorwise scales)"
-    experts = " | experts' grouped matmuls stay in the compute dtype (torch 2.13's float8 grouped matmul has no " \
-              "CPU kernel)" if args.n_experts else ""
-    return (f"float8 {cfg.training.float8}: {converted} of {len(plan)} linear layers run float8 matmuls"
-            f"{'; ' + excluded if excluded else ''}{gather}{experts} | {'native' if native else 'emulated'}: {why}")
+    grouped = "" if not experts else \
+        f" | the experts' grouped matmuls of {len(experts)} layers run {'MXFP8' if microscaling(recipe) else 'float8 rowwise'}" \
+        if not any(experts.values()) else \
+        f" | the experts' grouped matmuls stay in the compute dtype ({next(iter(experts.values()))})"
+    return (f"float8 {recipe}: {converted} of {len(plan)} linear layers run {'MXFP8' if microscaling(recipe) else 'float8'}"
+            f" matmuls{'; ' + excluded if excluded else ''}{gather}{grouped} | {'native' if native_here else 'emulated'}: "
+            f"{why}")
 
 
 def fsdp_all_gather(cfg: JobConfig) -> bool:
@@ -137,17 +209,15 @@ def fsdp_all_gather(cfg: JobConfig) -> bool:
     return cfg.training.float8 == "tensorwise" and p.dp_backend == "fsdp2" and p.dp_shard * p.cp > 1
 
 
-def _torchao_float8():
-    """torchao.float8, imported quietly: on a CPU build its CUDA kernels "fail to load" (float8
-    training does not use them) and it registers an enum torch 2.13 no longer needs registered."""
+def _torchao(module: str):
+    """A torchao module, imported quietly: on a CPU build its CUDA kernels "fail to load" (float8
+    training does not use them) and it registers enums torch 2.13 no longer needs registered."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        import torchao.float8
-
-        return torchao.float8
+        return importlib.import_module(module)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
@@ -155,7 +225,7 @@ def _torchao_float8():
 
 @functools.cache
 def _recipe(recipe: str, all_gather: bool):
-    config = _torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    config = _torchao("torchao.float8").Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=True) if all_gather else config
 
 
@@ -165,16 +235,64 @@ def precompute_scales(model: nn.Module, cfg: JobConfig) -> None:
     own weight's amax first (`small`, FSDP2: 198 collectives a step, now 38; 37 without float8). Run
     after each optimizer step (the weights' only change) and once before the first."""
     if fsdp_all_gather(cfg):
-        _torchao_float8().fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(model)
+        _torchao("torchao.float8").fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def convert(model: nn.Module, cfg: JobConfig) -> None:
-    """Swap the eligible linear layers of `model` (on the meta device, before any other plan) for
-    torchao's Float8Linear, whose weights stay fp32 parameters under the same names."""
-    eligible = {name for name, why in layer_plan(model.args, cfg.parallelism.tp).items() if why == ""}
+def training_config(recipe: str, compute: torch.dtype, device: torch.device):
+    """torchao's config for the weights it wraps: MXFP8's recipe (emulated where not native), or
+    for float8 recipes the experts' (float8 rowwise grouped matmuls); results in `compute`."""
+    config = _torchao("torchao.prototype.moe_training.config")
+    if not microscaling(recipe):
+        return config.Float8TrainingOpConfig(out_dtype=compute)
+    name = "MXFP8_RCEIL_WGRAD_WITH_HP" if recipe == "mxfp8_wgrad_hp" else "MXFP8_RCEIL"
+    native_here = native_mxfp8(device)[0]
+    # Each expert's tokens padded to whole blocks of 32: the experts' weight gradients reduce over
+    # them (a block straddling two experts would not even be one expert's), and a block then
+    # starts at each expert's first token in every layout, EP or not.
+    return dataclasses.replace(config.MXFP8TrainingOpConfig.from_recipe(config.MXFP8TrainingRecipe[name]),
+                               kernel_preference=config.KernelPreference["AUTO" if native_here else "EMULATED"],
+                               out_dtype=compute, pad_token_groups_for_grouped_mm=True)
+
+
+def convert(model: nn.Module, cfg: JobConfig, compute: torch.dtype, device: torch.device) -> None:
+    """Convert `model`'s eligible layers (on the meta device, before any other plan): float8
+    recipes swap linear layers for torchao's Float8Linear; MXFP8 (and float8 experts) wrap the
+    weights in torchao's training tensor. Either way the weights stay fp32 parameters under the
+    same names."""
+    recipe = cfg.training.float8
     # A pipeline stage holds some blocks only; the names are those of the whole model.
-    _torchao_float8().convert_to_float8_training(model, config=_recipe(cfg.training.float8, fsdp_all_gather(cfg)),
-                               module_filter_fn=lambda module, name: name in eligible)
+    linear = {name for name, why in layer_plan(model.args, cfg.parallelism.tp, recipe).items() if not why}
+    wrapped = {name for name, why in expert_plan(model.args, recipe, device, compute).items() if not why}
+    if microscaling(recipe):
+        wrapped |= linear
+        if cfg.parallelism.tp > 1:
+            for name in linear:
+                model.get_submodule(name).__class__ = ShardLocalLinear
+    else:
+        _torchao("torchao.float8").convert_to_float8_training(model, config=_recipe(recipe, fsdp_all_gather(cfg)),
+                                                             module_filter_fn=lambda module, name: name in linear)
+    if wrapped:
+        _torchao("torchao.quantization").quantize_(model, training_config(recipe, compute, device),
+                                                   filter_fn=lambda module, name: name in wrapped)
+
+
+class ShardLocalLinear(nn.Linear):
+    """An MXFP8 linear layer under TP: its matmul runs on the rank's shards as plain tensors,
+    where torchao's MXFP8 weight intercepts it. Given DTensors, DTensor's dispatch would run the
+    matmul on the weight it wraps, in the compute dtype: silently (measured: TP2's loss was the
+    run's without float8). Column-wise layers (weight Shard(0)) take the whole input and give
+    their outputs' shard; row-wise ones (Shard(1)) their inputs' shard and a partial sum, which
+    the layer's output layout then reduces, as DTensor's matmul would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not isinstance(weight, DTensor):  # (FSDP2 alone: the gathered weight is a plain tensor)
+            return super().forward(x)
+        column = weight.placements[-1] == Shard(0)
+        # (a column-wise layer's input is whole on every rank; each rank's gradient of it is partial)
+        y = F.linear(x.to_local(grad_placements=[Partial()] if column else None), weight.to_local())
+        return DTensor.from_local(y, weight.device_mesh, [Shard(y.ndim - 1) if column else Partial()],
+                                  run_check=False)
 
 
 class ByteAllGather(AllGather):
@@ -191,41 +309,50 @@ class ByteAllGather(AllGather):
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def slowdown(dtype: torch.dtype, shape: tuple[int, int, int], rounds: int = 3) -> float:
+def slowdown(recipe: str, dtype: torch.dtype, shape: tuple[int, int, int], rounds: int = 3) -> float:
     """How many times slower a linear layer's training step (forward, input and weight gradient)
-    runs in float8 than in `dtype` at (tokens, in, out) on the CPU: the start-up warning's number
+    runs in `recipe` than in `dtype` at (tokens, in, out) on the CPU: the start-up warning's number
     where float8 is emulated. Best of `rounds` each, after one warm-up call, on at most 256 tokens
     (a second or two even where `dtype` is an emulated bf16)."""
     tokens, inp, out = shape
     tokens = min(tokens, 256)
-    x = torch.randn(tokens, inp, dtype=dtype, requires_grad=True)
+    x, grad = torch.randn(tokens, inp, dtype=dtype, requires_grad=True), torch.randn(tokens, out, dtype=dtype)
     plain = nn.Sequential(nn.Linear(inp, out, bias=False, dtype=dtype))
     converted = nn.Sequential(nn.Linear(inp, out, bias=False, dtype=dtype))
-    _torchao_float8().convert_to_float8_training(converted, config=_recipe("tensorwise", False))
+    if microscaling(recipe):
+        _torchao("torchao.quantization").quantize_(converted, training_config(recipe, dtype, torch.device("cpu")),
+                                                   filter_fn=lambda module, name: isinstance(module, nn.Linear))
+    else:
+        _torchao("torchao.float8").convert_to_float8_training(converted, config=_recipe(recipe, False))
     best = []
     for layer in (plain, converted):
         times = []
         for _ in range(rounds + 1):
             start = time.perf_counter()
-            layer(x).sum().backward()
+            layer(x).backward(grad)
             times.append(time.perf_counter() - start)
         best.append(min(times[1:]))
     return best[1] / best[0]
 
 
 def master_weights(state: dict) -> dict:
-    """`state` with torchao's float8 weight wrappers (FSDP2's float8 all-gather) replaced by the
-    fp32 tensors they wrap, sharing their storage: a checkpoint holds the master weights as any
-    run's do (so a float8 run resumes under bf16 and back), never a pickled torchao class."""
-    from torch.distributed.tensor import DTensor
+    """`state` with torchao's weight wrappers (FSDP2's float8 all-gather, MXFP8's and the float8
+    experts' training tensors) replaced by the fp32 tensors they wrap, sharing their storage: a
+    checkpoint holds the master weights as any run's do (so a float8 run resumes under bf16 and
+    back), never a pickled torchao class."""
     from torch.utils._pytree import tree_map
 
-    wrapper = _torchao_float8().fsdp_utils.WeightWithDynamicFloat8CastTensor
+    inner = {_torchao("torchao.float8").fsdp_utils.WeightWithDynamicFloat8CastTensor: "_tensor",
+             _torchao("torchao.prototype.moe_training.tensor").TrainingWeightWrapperBaseTensor: "_data"}
+
+    def plain(t):
+        name = next((name for cls, name in inner.items() if isinstance(t, cls)), None)
+        return t if name is None else getattr(t, name)
 
     def unwrap(t):
-        if isinstance(t, DTensor) and isinstance(t._local_tensor, wrapper):
-            return DTensor.from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
+        if isinstance(t, DTensor) and plain(t._local_tensor) is not t._local_tensor:
+            return DTensor.from_local(plain(t._local_tensor), t.device_mesh, t.placements, run_check=False,
                                       shape=t.shape, stride=t.stride())
-        return t._tensor if isinstance(t, wrapper) else t
+        return plain(t)
 
     return tree_map(unwrap, state)

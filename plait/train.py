@@ -181,7 +181,8 @@ def run(cfg: JobConfig) -> list[dict]:
     check_divisibility(args, cfg)
     check_heads(args, cfg)
     check_experts(args, cfg)
-    float8.check_layers(args, cfg)
+    device = pick_device(cfg.training.device)
+    float8.check_layers(args, cfg, device, resolve(cfg).compute)
     identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)
     check_data_sizes(cfg, corpus)
@@ -189,7 +190,6 @@ def run(cfg: JobConfig) -> list[dict]:
     suite = TaskSuite(cfg.eval, cfg.training.seq_len, corpus.tokenizer, eos_id(corpus.tokenizer)) \
         if cfg.eval.interval and cfg.eval.tasks else None
 
-    device = pick_device(cfg.training.device)
     host_memory.configure(cfg.training.host_memory, device)
     owned = not dist.is_initialized()  # `plait doctor` runs its job on the group it already has
     if owned:
@@ -263,12 +263,12 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                   f"matmuls measured {fp32_peak / peak.flops:.0f}x slower in bf16 than in float32 here "
                   f"(--training.mixed_precision_param auto picks float32 on such hardware)", flush=True)
         if t.float8 != "none":
-            print(f"plait: {float8.summary(args, cfg, device)}", flush=True)
-            if not float8.native_float8(device)[0]:
-                print(f"plait: warning: float8 is emulated here: a linear layer's training step measured "
-                      f"{float8.slowdown(precision.compute, max(shapes, key=math.prod)):.1f}x slower in float8 than in "
-                      f"{str(precision.compute).removeprefix('torch.')} (float8 pays off on GPUs with float8 tensor cores)",
-                      flush=True)
+            print(f"plait: {float8.summary(args, cfg, device, precision.compute)}", flush=True)
+            if not float8.native(t.float8, device)[0]:
+                print(f"plait: warning: {t.float8} is emulated here: a linear layer's training step measured "
+                      f"{float8.slowdown(t.float8, precision.compute, max(shapes, key=math.prod)):.1f}x slower in "
+                      f"{t.float8} than in {str(precision.compute).removeprefix('torch.')} (it pays off on GPUs with "
+                      f"{'MXFP8' if float8.microscaling(t.float8) else 'float8'} tensor cores)", flush=True)
 
     forwards = microbatches(cfg) if pipeline else accum
     expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate, loss_mesh.get_group(),

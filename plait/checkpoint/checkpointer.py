@@ -119,7 +119,7 @@ class Checkpointer:
         state = {"model": get_model_state_dict(self.model)}
         if with_optimizer:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        return float8.master_weights(state) if float8.fsdp_all_gather(self.cfg) else state
+        return float8.master_weights(state) if self.cfg.training.float8 != "none" else state
 
     def restore(self) -> int:
         """Resume from the newest complete checkpoint in checkpoint.folder (everything: weights,

@@ -90,7 +90,7 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts) if biases else None
 
     def grouped(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        out = torch._grouped_mm(a, w.transpose(-2, -1), offsets)
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)  # (by name: torchao looks for it)
         return out if b is None else out + b[row_expert]
 
     return grouped(gated(grouped(x, w1, b1), grouped(x, w3, b3), limit, alpha), w2, b2)

@@ -46,7 +46,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     backend = cfg.parallelism.dp_backend
     ac, n_blocks = cfg.activation_checkpoint, model.args.n_layers
     if cfg.training.float8 != "none":  # first: the other plans wrap and shard the float8 layers
-        float8.convert(model, cfg)
+        float8.convert(model, cfg, precision.compute, device)
     if cfg.parallelism.cp > 1:  # start-up refuses cp with SimpleFSDP and classic DDP
         apply_cp(model, mesh["cp"], cfg.parallelism.cp_kind, cfg.parallelism.cp_ulysses,
                  latent=cfg.parallelism.cp_gather == "latent")

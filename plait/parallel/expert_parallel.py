@@ -76,7 +76,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     for moe in moe_layers(model):
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            local = param.new_empty(param.shape[0] // ep_mesh.size(), *param.shape[1:])
+            # (empty_like of a slice: a weight wrapper, torchao's MXFP8 experts', keeps its class)
+            local = torch.empty_like(param.narrow(0, 0, param.shape[0] // ep_mesh.size()))
             experts.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
         experts.forward = DispatchedExperts(experts, ep_mesh.get_group())
 
