@@ -176,6 +176,7 @@ CAUSAL = ["--model.attention_mask", "causal"]
 ULYSSES = ["--parallelism.cp_kind", "ulysses"]
 FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
+MXFP8 = ["--training.float8", "mxfp8"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
@@ -302,6 +303,19 @@ LAYOUTS = {
     "hsdp_mla": (4, [*MLA, *degrees(2, 2)]),
     "pp_mla": (2, [*MLA, *PP2]),  # MTP on the last stage, with a copy of the embedding
     "cp_mla": (2, [*MLA, *CP2, "--training.micro_batch_size", "2"]),
+    # MXFP8 (emulated here), against the single device with MXFP8: its blocks of 32 along each
+    # matmul's reduced dimension, split by FSDP2 (a gathered weight's rows are whole), TP (a rank's
+    # shard is whole blocks), a pipeline's stages and EP (each expert's tokens padded to blocks).
+    # The experts' MXFP8 matmuls are bf16-only: the MoE rows run bf16 alone.
+    "single_mx": (1, [*MXFP8, "--training.micro_batch_size", "2"]),
+    "single_mx_wgrad_hp": (1, ["--training.float8", "mxfp8_wgrad_hp", "--training.micro_batch_size", "2"]),
+    "fsdp2_mx": (2, [*MXFP8, *degrees(1, 2)]),
+    "tp_mx": (2, [*MXFP8, *degrees(1, 1, tp=2)]),
+    "pp_mx": (2, [*MXFP8, *PP2]),
+    "single_moe_mx": (1, [*MOE, *MXFP8, "--training.micro_batch_size", "2"]),
+    "single_moe_mx_mb1": (1, [*MOE, *MXFP8, "--training.micro_batch_size", "1"]),
+    "ep2_moe_mx": (2, [*MOE, *MXFP8, *EP2]),
+    "ep2_fsdp2_moe_mx": (4, [*MOE, *MXFP8, *EP2]),
     "single_mla_f8": (1, [*MLA, *FLOAT8, "--training.micro_batch_size", "2"]),  # (the MTP module's layers too)
     "fsdp2_mla_f8": (2, [*MLA, *FLOAT8, *degrees(1, 2)]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their
@@ -345,6 +359,8 @@ def reference(args: list[str]) -> str:
         return "single_muon"
     if SIGMOID[1] in args:
         return "single_moe_sigmoid"
+    if MXFP8[1] in args:
+        return "single_moe_mx" if MOE[1] in args else "single_mx"
     if MOE[1] in args:  # (the rows whose ranks forward 1 sequence at a time are named in ONE_PER_FORWARD)
         return "single_moe"
     if MLA[1] in args:
@@ -360,6 +376,7 @@ def reference(args: list[str]) -> str:
 
 ONE_PER_FORWARD = ("ep2_fsdp2_moe", "ep2_hsdp_moe", "pp_ep2_moe")
 REFERENCE = {name: "single_moe_mb1" if name in ONE_PER_FORWARD else reference(args) for name, (_, args) in LAYOUTS.items()}
+REFERENCE["ep2_fsdp2_moe_mx"] = "single_moe_mx_mb1"
 
 
 def validation_text() -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BF16, FLOAT8, LAYOUTS, ROOT, STEPS, TINY, degrees, layout_run, losses, run_plait
+from conftest import BF16, FLOAT8, LAYOUTS, MXFP8, ROOT, ROWWISE, STEPS, TINY, degrees, layout_run, losses, run_plait
 from plait import float8
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.arguments import parse_args
@@ -158,3 +158,84 @@ def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_with_and_with
     exported = load_file(out / "model.safetensors")
     saved = load_full_state_dict(tmp_path / "ck" / "step-2", model_args("debug", 512), "checkpoint")
     assert torch.equal(exported["model.layers.0.self_attn.v_proj.weight"], saved["layers.0.attention.wv.weight"])
+
+
+MX_PROBED = {  # name: (layout, precision, micro-batches per rank, dense layers converted, MoE layers in MXFP8)
+    "single": ("single_mx", [], 2, CONVERTED, 0), "fsdp2": ("fsdp2_mx", [], 1, CONVERTED, 0),
+    "tp": ("tp_mx", [], 1, CONVERTED, 0), "single_moe_bf16": ("single_moe_mx", BF16, 2, 8, 2),
+    "ep2_bf16": ("ep2_moe_mx", BF16, 1, 8, 2), "single_moe_fp32": ("single_moe_mx", [], 2, 8, 0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MX_PROBED)
+def test_mxfp8_quantises_every_converted_matmul_forward_and_backward(train_once, name):
+    """Emulated MXFP8 multiplies values cast to e4m3 in blocks of 32 and back, in the compute
+    dtype: the casts prove it. Per micro-batch and rank, a converted linear layer casts its input
+    and weight in forward and, in backward, the output gradient both ways, the weight and the
+    input along the other axis (4); each of an MoE layer's three grouped matmuls the same (2 and
+    4). Under TP each rank casts its shards (a weight reached through DTensor's matmul would cast
+    nothing: the bug this caught). Under fp32 compute the experts stay fp32 (MXFP8's grouped
+    matmul is bf16-only)."""
+    layout, precision, micro, dense, moe = MX_PROBED[name]
+    _, probe = layout_run(train_once, layout, precision)
+    casts = {phase: sum(r["count"] for r in probe if (r["rank"], r["phase"], r["kind"]) == (0, phase, "quantize"))
+             for phase in ("forward", "backward")}
+    assert casts == {"forward": micro * (2 * dense + 6 * moe), "backward": micro * (4 * dense + 12 * moe)}, casts
+    assert {r["dtypes"].split("->")[1] for r in probe if r["kind"] == "quantize"} == {"float8_e4m3fn"}
+    compute = "bfloat16" if precision else "float32"
+    grouped = {r["dtypes"] for r in probe if r["op"] == "_grouped_mm"}
+    assert grouped == ({compute} if "moe" in layout else set())
+
+
+@pytest.mark.slow
+def test_mxfp8_wgrad_hp_keeps_the_weight_gradients_matmul_in_the_compute_dtype(train_once):
+    """mxfp8_wgrad_hp: forward and the input gradient as mxfp8 (casts of the input and weight,
+    then the output gradient and the weight along the other axis); the weight gradient from the
+    unquantised input and output gradient: 2 backward casts per layer, not 4."""
+    _, probe = layout_run(train_once, "single_mx_wgrad_hp")
+    casts = {phase: sum(r["count"] for r in probe if (r["phase"], r["kind"]) == (phase, "quantize"))
+             for phase in ("forward", "backward")}
+    assert casts == {"forward": 2 * 2 * CONVERTED, "backward": 2 * 2 * CONVERTED}, casts
+
+
+def test_the_mxfp8_plan_takes_blocks_of_32_and_leaves_biased_layers_and_fp32_experts_out():
+    args = model_args("debug", 512)
+    assert float8.layer_plan(args, tp=1, recipe="mxfp8") == float8.layer_plan(args, tp=1)  # debug: multiples of 32
+    odd = ModelArgs(dim=48, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=64, multiple_of=16)
+    assert "multiple of 32" in float8.layer_plan(odd, tp=1, recipe="mxfp8")["layers.0.attention.wq"]
+    assert float8.layer_plan(odd, tp=1)["layers.0.attention.wq"] == ""  # (48 x 48: float8's 16 divide it)
+    qwen2 = model_args("debug_qwen2", 512)  # (biases on wq, wk, wv)
+    assert "drop its bias" in float8.layer_plan(qwen2, tp=1, recipe="mxfp8")["layers.0.attention.wq"]
+    moe, cpu = model_args("debug_moe", 512), torch.device("cpu")
+    assert set(float8.expert_plan(moe, "mxfp8", cpu, torch.bfloat16).values()) == {""}
+    assert "bfloat16 only" in float8.expert_plan(moe, "mxfp8", cpu, torch.float32)["layers.0.feed_forward.experts"]
+    assert "sm90" in float8.expert_plan(moe, "tensorwise", cpu, torch.bfloat16)["layers.0.feed_forward.experts"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([*TINY, *MXFP8, "--training.mixed_precision_mode", "autocast"], "mixed_precision_mode param"),
+    ([*TINY, *MXFP8, "--training.seq_len", "48", "--training.micro_batch_size", "1"], "48 tokens per rank"),
+])
+def test_mxfp8_refuses_what_it_cannot_run_in_one_line(argv, fragment):
+    with pytest.raises(ConfigError, match=f"training.float8: .*{fragment}"):
+        check_options(parse_args(argv), world=1)
+    check_options(parse_args([*argv[:-2], "--training.float8", "mxfp8_wgrad_hp"] if "48" in argv else TINY), world=1)
+
+
+@pytest.mark.slow
+def test_an_mxfp8_checkpoint_holds_fp32_master_weights_and_resumes_under_another_recipe(tmp_path):
+    """TP2 MXFP8 (torchao's training tensor inside TP's DTensors): the checkpoint holds plain fp32
+    tensors, an MXFP8 resume is bitwise the continuous run, and a resume under float8 rowwise
+    (another recipe: its own layer classes) trains on from the same weights."""
+    world, args = LAYOUTS["tp_mx"]
+    ck = ["--checkpoint.folder", str(tmp_path / "ck"), "--checkpoint.interval", "2", "--training.steps", "4"]
+    whole = losses(run_plait(tmp_path, *args, *ck, nproc=world)[0])
+    saved = load_full_state_dict(tmp_path / "ck" / "step-2", model_args("debug", 512), "checkpoint")
+    assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in saved.values())
+    shutil.rmtree(tmp_path / "ck" / "step-4")
+    assert losses(run_plait(tmp_path, *args, *ck, nproc=world)[0]) == whole[2:]
+    shutil.rmtree(tmp_path / "ck" / "step-4")
+    rowwise = [*[a for a in args if a not in MXFP8], *ROWWISE]
+    other = losses(run_plait(tmp_path, *rowwise, *ck, nproc=world)[0])
+    assert len(other) == 2 and max(abs(a - b) for a, b in zip(other, whole[2:])) < 2e-3

@@ -131,7 +131,7 @@ MUON_BOUNDS = {**{(name, "fp32"): BITWISE for name in ("fsdp2_muon", "ddp_muon",
 SPMD = [name for name in LAYOUTS
         if not name.startswith(("pp", "single")) and not name.endswith("tied") and "moe" not in name
         and "muon" not in name and "gpt_oss" not in name and "mla" not in name
-        and name not in (*CONTEXT, *FLOAT8, *FAMILY_ROWS)]
+        and not name.endswith("_mx") and name not in (*CONTEXT, *FLOAT8, *FAMILY_ROWS)]
 WORLD2_DP = ("ddp", "fsdp2", "classic_ddp", "simple_fsdp", "simple_ddp")
 # A pipeline without data parallelism computes each micro-batch as the single device does and
 # accumulates the weight gradients in the same ascending order (all scaling inside the loss):
@@ -157,6 +157,20 @@ FLOAT8_BOUNDS = {**{(name, "fp32"): BITWISE for name in ("fsdp2_f8", "ddp_f8", "
                                                           "fsdp2_f8_rowwise")},
                  **{(name, "fp32"): BF16_REORDERED for name in ("tp_f8", "fsdp2_tp_f8", "tp_f8_rowwise")},
                  ("fsdp2_f8", "bf16"): BF16_REORDERED}
+# MXFP8 rows (emulated: each block of 32 cast to e4m3 with a power-of-two scale, multiplied in the
+# compute dtype): FSDP2 gathers whole weights and the pipeline splits whole layers, so both are
+# bitwise (fp32 and bf16). TP's shards hold whole blocks, but TP reorders fp32 sums, and a last
+# bit can move a value across an e4m3 rounding boundary, float8's TP mechanism: measured 4.8e-7
+# (val 1.2e-6), bound float8's TP rows' 1e-3 (they measured up to 7.3e-5 where a rounding flipped).
+# In bf16, TP, EP2 and EP2+FSDP2 (experts in MXFP8, each expert's tokens padded to whole blocks in
+# every layout) measured 4.8e-4, 3.5e-4 and 4.4e-4: bf16's reordering seen through e4m3's coarser
+# rounding, bound MXFP8_BF16 (4x the worst). fp32 EP rows keep the experts in fp32 (MXFP8's grouped
+# matmul is bf16-only), measured 4.8e-7 (EP2) and 9.5e-7 (EP2+FSDP2) as without MXFP8.
+MXFP8_BF16 = 2e-3
+MXFP8_BOUNDS = {("fsdp2_mx", "fp32"): BITWISE, ("fsdp2_mx", "bf16"): BITWISE, ("pp_mx", "fp32"): BITWISE,
+                ("tp_mx", "fp32"): BF16_REORDERED, ("tp_mx", "bf16"): MXFP8_BF16,
+                ("ep2_moe_mx", "fp32"): FP32_REORDERED, ("ep2_fsdp2_moe_mx", "fp32"): MOE_REORDERED,
+                ("ep2_moe_mx", "bf16"): MXFP8_BF16, ("ep2_fsdp2_moe_mx", "bf16"): MXFP8_BF16}
 TOLERANCE = {  # (layout, precision): tolerance against the single device
     **{(name, "fp32"): BITWISE for name in WORLD2_DP},
     **{(name, "bf16"): BITWISE for name in WORLD2_DP},
@@ -177,6 +191,7 @@ TOLERANCE = {  # (layout, precision): tolerance against the single device
     **{(name, "fp32"): FP32_REORDERED for name in CONTEXT},
     **{(name, "bf16"): BF16_REORDERED for name in CONTEXT_BF16},
     **FLOAT8_BOUNDS,
+    **MXFP8_BOUNDS,
     **FAMILIES,
     **MOE_BOUNDS,
     **MUON_BOUNDS,
@@ -242,5 +257,5 @@ def test_the_matrix_covers_every_layout_at_world_1_2_4_8(matrix):
     rows = {(name, precision) for name, _, precision, *_ in matrix}
     assert rows == {(name, "fp32") for name in LAYOUTS if not name.startswith("single")} | \
         {(name, "bf16") for name in [*SPMD, *PIPELINES_BF16, *CONTEXT_BF16, *FLOAT8_BF16]} | \
-        {row for row in {**FAMILIES, **MOE_BOUNDS, **MUON_BOUNDS} if row[1] == "bf16"}
+        {row for row in {**FAMILIES, **MOE_BOUNDS, **MUON_BOUNDS, **MXFP8_BOUNDS} if row[1] == "bf16"}
     assert {world for _, world, *_ in matrix} | {LAYOUTS["single"][0]} == {1, 2, 4, 8}

@@ -128,6 +128,11 @@ class DtypeProbe(TorchDispatchMode):
             self.saved.measure()
             self.measured = True
         out = func(*args, **(kwargs or {}))
+        if func._opname == "_to_copy" and out.dtype.itemsize == 1 and out.is_floating_point():
+            # A cast to a float8 format: how float8 and MXFP8 quantise (emulated MXFP8's matmuls then
+            # multiply the values cast back, in the compute dtype: the casts are its evidence).
+            cast = f"{str(args[0].dtype).removeprefix('torch.')}->{str(out.dtype).removeprefix('torch.')}"
+            self.counts[(phase, "quantize", func._opname, cast)] += 1
         if phase == "forward":
             self.saved.created((args, kwargs), out)
         return out
