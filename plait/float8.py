@@ -63,7 +63,7 @@ def native_mxfp8(device: torch.device) -> tuple[bool, str]:
         if major >= 10:
             return True, f"sm{major}{minor} has MXFP8 tensor cores"
         return False, f"sm{major}{minor} has no MXFP8 tensor cores (they need sm100+: B200, GB200, GB300)"
-    return False, "this CPU has no MXFP8 matmul units: torchao's emulation quantises and multiplies in the compute dtype"
+    return False, "this CPU has no MXFP8 matmul units: torchao's emulation casts and multiplies in the compute dtype"
 
 
 def available() -> bool:
@@ -111,20 +111,29 @@ def check_tokens(cfg: JobConfig, tokens: int) -> None:
                           "mxfp8_wgrad_hp (weight gradients in the compute dtype), none")
 
 
-def layer_plan(args: ModelArgs, tp: int, recipe: str = "tensorwise") -> dict[str, str]:
-    """Every linear layer of the model -> "" if it runs float8, else why not. Under TP the shapes
-    that count are each rank's (column-wise layers split their outputs, row-wise their inputs)."""
+def rank_shapes(args: ModelArgs, tp: int) -> dict[str, tuple[nn.Linear, int, int]]:
+    """Every linear layer -> (the module, its weight's rows and columns on a rank): under TP,
+    column-wise layers split their outputs, row-wise ones their inputs."""
     with torch.device("meta"):
         model = Transformer(args)
+    shapes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            rows, cols = module.out_features, module.in_features
+            in_block = name.startswith("layers.") or ".block." in name  # (multi-token prediction's block too)
+            if tp > 1 and in_block and ".shared." not in name:  # (shared experts: whole, as experts)
+                rows, cols = (rows, cols // tp) if name.endswith(("wo", "w2")) else (rows // tp, cols)
+            shapes[name] = module, rows, cols
+    return shapes
+
+
+def layer_plan(args: ModelArgs, tp: int, recipe: str = "tensorwise") -> dict[str, str]:
+    """Every linear layer of the model -> "" if it runs float8, else why not (the shapes that
+    count are each rank's)."""
     multiple = MX_BLOCK if microscaling(recipe) else MULTIPLE
     plan = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        rows, cols = module.out_features, module.in_features
-        in_block = name.startswith("layers.") or ".block." in name  # (multi-token prediction's block too)
-        if tp > 1 and in_block and ".shared." not in name:  # (shared experts: whole, as experts)
-            rows, cols = (rows, cols // tp) if name.endswith(("wo", "w2")) else (rows // tp, cols)
+    for name, (module, rows, cols) in rank_shapes(args, tp).items():
+        in_block = name.startswith("layers.") or ".block." in name
         if not name.startswith(("layers.", "mtp.")):
             plan[name] = "the output layer stays in the compute dtype (its logits feed the softmax directly)"
         elif tp > 1 and not in_block:
@@ -136,10 +145,26 @@ def layer_plan(args: ModelArgs, tp: int, recipe: str = "tensorwise") -> dict[str
         elif microscaling(recipe) and module.bias is not None:
             plan[name] = "torchao 0.18's MXFP8 linear would drop its bias"
         elif rows % multiple or cols % multiple:
-            plan[name] = f"its {'per-rank ' * (tp > 1)}weight {rows}x{cols} is not a multiple of {multiple} in both dimensions"
+            plan[name] = (f"its {'per-rank ' * (tp > 1)}weight {rows}x{cols} is not a multiple of {multiple} in both "
+                          "dimensions")
         else:
             plan[name] = ""
     return plan
+
+
+def quantised_bytes(args: ModelArgs, cfg: JobConfig, tokens: int) -> int:
+    """MXFP8's copies of the largest converted matmul, alive at once in its backward (plan's
+    buffers): the output gradient cast along both axes, the weight and the input along the other
+    (the forward's casts are freed by then), one byte per element and one e8m0 scale per 32."""
+    p = cfg.parallelism
+    if not microscaling(cfg.training.float8):
+        return 0
+    plan, shapes = layer_plan(args, p.tp, cfg.training.float8), rank_shapes(args, p.tp)
+    sizes = [tokens * (2 * rows + cols) + rows * cols for name, (_, rows, cols) in shapes.items() if not plan[name]]
+    if args.n_experts and not any(expert_plan(args, cfg.training.float8, torch.device("cpu"), torch.bfloat16).values()):
+        routed, experts = tokens * args.top_k, args.n_experts // p.ep  # (bf16 on a GPU: what plan assumes)
+        sizes.append(routed * (2 * args.dim + args.moe_hidden) + experts * args.dim * args.moe_hidden)
+    return max(sizes, default=0) * (MX_BLOCK + 1) // MX_BLOCK
 
 
 def compute_name(dtype: torch.dtype) -> str:
@@ -154,7 +179,7 @@ def expert_plan(args: ModelArgs, recipe: str, device: torch.device, compute: tor
         why = "" if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) else \
             "torchao's float8 grouped matmul needs CUDA sm90+ (its scales are triton kernels)"
     elif compute != torch.bfloat16:
-        why = f"torchao's MXFP8 grouped matmul multiplies in bfloat16 only (the compute dtype is {compute_name(compute)})"
+        why = f"torchao's MXFP8 grouped matmul multiplies in bfloat16 only (the compute dtype: {compute_name(compute)})"
     elif args.dim % MX_BLOCK or args.moe_hidden % MX_BLOCK:
         why = f"their weights {args.moe_hidden}x{args.dim} are not a multiple of {MX_BLOCK} in both dimensions"
     else:
@@ -165,15 +190,21 @@ def expert_plan(args: ModelArgs, recipe: str, device: torch.device, compute: tor
 
 
 def check_layers(args: ModelArgs, cfg: JobConfig, device: torch.device, compute: torch.dtype) -> None:
-    """Refuse a float8 run in which no matmul would run float8: it would silently be bf16."""
+    """Refuse a float8 run in which no matmul would run float8 (it would silently be bf16), and
+    compiled experts in torchao's weight wrapper (torch 2.13's AOTAutograd fails on the MoE
+    block's compiled pieces: "expected a MXFP8TrainingWeightWrapperTensor tangent")."""
     if cfg.training.float8 == "none":
         return
-    plan = {**layer_plan(args, cfg.parallelism.tp, cfg.training.float8),
-            **expert_plan(args, cfg.training.float8, device, compute)}
+    experts = expert_plan(args, cfg.training.float8, device, compute)
+    plan = {**layer_plan(args, cfg.parallelism.tp, cfg.training.float8), **experts}
     if not any(why == "" for why in plan.values()):
         reasons = sorted({why for why in plan.values()})
         raise ConfigError(f"training.float8: no linear layer of this model can run float8 ({'; '.join(reasons)}); "
                           f"allowed: none")
+    if cfg.compile.enable and experts and not any(experts.values()):
+        raise ConfigError(f"compile.enable: not with the experts' grouped matmuls in {cfg.training.float8} (torch "
+                          "2.13 cannot compile the MoE block around torchao's weight wrapper); allowed: "
+                          "--compile.no_enable, or a float8 recipe that leaves the experts in the compute dtype")
 
 
 def summary(args: ModelArgs, cfg: JobConfig, device: torch.device, compute: torch.dtype) -> str:
@@ -192,12 +223,13 @@ def summary(args: ModelArgs, cfg: JobConfig, device: torch.device, compute: torc
     gather = "" if p.dp_shard * p.cp == 1 or p.dp_backend != "fsdp2" else \
         " | float8 all-gather of parameters" if fsdp_all_gather(cfg) else \
         " | parameters all-gathered in the compute dtype (float8 all-gather takes tensorwise scales)"
+    kind = "MXFP8" if microscaling(recipe) else "float8"
+    why_not = next((why for why in experts.values() if why), "")
     grouped = "" if not experts else \
-        f" | the experts' grouped matmuls of {len(experts)} layers run {'MXFP8' if microscaling(recipe) else 'float8 rowwise'}" \
-        if not any(experts.values()) else \
-        f" | the experts' grouped matmuls stay in the compute dtype ({next(iter(experts.values()))})"
-    return (f"float8 {recipe}: {converted} of {len(plan)} linear layers run {'MXFP8' if microscaling(recipe) else 'float8'}"
-            f" matmuls{'; ' + excluded if excluded else ''}{gather}{grouped} | {'native' if native_here else 'emulated'}: "
+        f" | the experts' grouped matmuls stay in the compute dtype ({why_not})" if why_not else \
+        f" | the experts' grouped matmuls of {len(experts)} layers run {kind}{' rowwise' * (kind == 'float8')}"
+    return (f"float8 {recipe}: {converted} of {len(plan)} linear layers run {kind} matmuls"
+            f"{'; ' + excluded if excluded else ''}{gather}{grouped} | {'native' if native_here else 'emulated'}: "
             f"{why}")
 
 

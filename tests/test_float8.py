@@ -48,7 +48,7 @@ def test_the_plan_converts_the_blocks_linear_layers_and_keeps_the_output_layer()
 def test_a_model_no_layer_of_which_can_run_float8_is_refused():
     args = ModelArgs(dim=24, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, multiple_of=8)
     with pytest.raises(ConfigError, match="training.float8: no linear layer"):
-        float8.check_layers(args, parse_args([*TINY, *FLOAT8]))
+        float8.check_layers(args, parse_args([*TINY, *FLOAT8]), torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -239,3 +239,10 @@ def test_an_mxfp8_checkpoint_holds_fp32_master_weights_and_resumes_under_another
     rowwise = [*[a for a in args if a not in MXFP8], *ROWWISE]
     other = losses(run_plait(tmp_path, *rowwise, *ck, nproc=world)[0])
     assert len(other) == 2 and max(abs(a - b) for a, b in zip(other, whole[2:])) < 2e-3
+
+
+def test_compiled_mxfp8_experts_are_refused_naming_the_way_out():
+    args, cfg = model_args("debug_moe", 512), parse_args([*TINY, *MXFP8, "--compile.enable"])
+    with pytest.raises(ConfigError, match="compile.enable: not with the experts' grouped matmuls in mxfp8"):
+        float8.check_layers(args, cfg, torch.device("cpu"), torch.bfloat16)
+    float8.check_layers(args, cfg, torch.device("cpu"), torch.float32)  # (fp32: the experts stay fp32)

@@ -17,8 +17,8 @@ from plait.cli import main
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.proof.trace import summarise
-from test_parity import (CONTEXT_BF16, FAMILIES, FLOAT8, FLOAT8_BF16, MOE_BOUNDS, MUON_BOUNDS, PIPELINES_BF16, REFERENCE,
-                         SPMD, mode)
+from test_parity import (CONTEXT_BF16, FAMILIES, FLOAT8, FLOAT8_BF16, MOE_BOUNDS, MUON_BOUNDS, MXFP8_BOUNDS,
+                         PIPELINES_BF16, REFERENCE, SPMD, mode)
 
 pytestmark = pytest.mark.slow
 PRECISIONS = {"fp32": [], "bf16": BF16}
@@ -146,7 +146,8 @@ def add_line(report, label: str, numbers: dict) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_plan_predicts_every_layout(train_once, report, name, precision):
-    family_bf16 = {row for n, p in {**FAMILIES, **MOE_BOUNDS, **MUON_BOUNDS} if p == "bf16" for row in (n, REFERENCE[n])}
+    family_bf16 = {row for n, p in {**FAMILIES, **MOE_BOUNDS, **MUON_BOUNDS, **MXFP8_BOUNDS} if p == "bf16"
+                   for row in (n, REFERENCE[n])}
     if precision == "bf16" and name not in [*SPMD, *PIPELINES_BF16, *CONTEXT_BF16, *FLOAT8_BF16, *family_bf16,
                                             "single", "single_f8"]:
         pytest.skip("no bf16 run of this layout in the shared matrix")

@@ -103,7 +103,9 @@ def assumptions(base: JobConfig, args: ModelArgs, opts: PlanArgs, cal: Calibrati
             "batch": f"global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} "
                      f"tokens per step, {base.model.attention_mask} attention",
             "precision": f"parameters in {compute} for compute, fp32 master weights, gradients reduced in "
-                         f"{'bfloat16' if t.mixed_precision_reduce == 'bfloat16' else 'float32'}, {base.optimizer.name}",
+                         f"{'bfloat16' if t.mixed_precision_reduce == 'bfloat16' else 'float32'}, {base.optimizer.name}"
+                         + ("" if t.float8 == "none" else f"; float8 {t.float8}: memory and collectives counted, its "
+                            f"matmuls timed as {compute}'s"),
             "device": f"{opts.world} x {cal.device}, {opts.device_memory_gib:g} GiB each, {opts.node_size} per node",
             "speeds": cal.source,
             "collectives": f"{bandwidth(cal.collectives)} within a node, {bandwidth(cal.inter_node)} across nodes; "

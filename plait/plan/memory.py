@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plait import float8
 from plait.config import JobConfig
 from plait.models.attention import QUERY_BLOCK, query_block
 from plait.models.flavors import ModelArgs
@@ -158,7 +159,7 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
                            cp: int = 1, moe: bool = False, heads_split: int = 1, tail_keys: int = 0,
-                           latent_gather: bool = False, sequence_aux: bool = False) -> int:
+                           latent_gather: bool = False, sequence_aux: bool = False, mx_experts: bool = False) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -186,7 +187,7 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     SwiGLU's stead (predicted at tp 1).
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
-    experts = moe_bytes(args, tokens, e, mode, sequence_aux) if moe else 0
+    experts = moe_bytes(args, tokens, e, mode, sequence_aux, mx_experts) if moe else 0
     if moe:
         ffn = 0
     if mode == "full":
@@ -232,7 +233,8 @@ def latent_attention_bytes(args: ModelArgs, e: int, tp: int, masked: bool, cp: i
     return norms + e * (rope_key + heads * hd * (1 + cp) + values + outputs)
 
 
-def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: bool = False) -> int:
+def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: bool = False,
+              mx_experts: bool = False) -> int:
     """What a mixture-of-experts layer keeps for backward, routing whatever it routes (every
     token reaches k experts: the sizes do not depend on which). Every mode: the step's record
     (tokens per expert, int64, and the auxiliary loss). full: nothing more. selective: the matmul
@@ -244,7 +246,9 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
     its input and weight, where the input itself (the norm's output, which the norms' count
     holds) is then kept by nobody unless shared experts read it. A sigmoid router's sequence-wise
     loss (`sequence_aux`) records its value too and keeps each token's sum of scores (fp32; and
-    per sequence two rows of E, not counted)."""
+    per sequence two rows of E, not counted). MXFP8 experts (`mx_experts`) keep each grouped
+    matmul's input padded (every expert's rows to whole blocks of 32, allocated for the worst case)
+    and its padded offsets, in place of the rows' input and the SwiGLU's product."""
     n, k, d, h = args.n_experts, args.top_k, args.dim, args.moe_hidden
     rows, softmax = tokens * k, args.router == "softmax"
     record = n * 8 + 4 * (softmax or sequence_aux)
@@ -257,8 +261,10 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
     casts = tokens * d * 4 + n * d * 4 - tokens * d * e * (not shared) if e != 4 else 0
     hidden = 7 if args.swiglu_limit else 4  # the clamped SwiGLU: both clamps' inputs, and gate, sigmoid, glu, up + 1
     row_experts = 8 * rows if args.expert_bias else 0  # which expert's bias each row adds (int64)
+    padded = -(-(rows + 32 * n) // 32) * 32
+    mx = padded * (2 * d + h) * e + 3 * 2 * n * 4 - rows * (d + h) * e if mx_experts else 0
     return record + rows * ((3 * d + hidden * h) * e + 16 + e) + row_experts + router + n * 4 + casts + \
-        4 * tokens * shared * e
+        4 * tokens * shared * e + mx
 
 
 def ulysses_kv_heads(kv: int, n: int) -> int:
@@ -317,7 +323,7 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
                                        masked(cfg, args.own_mask(i)), cfg.parallelism.cp, args.sparse(i),
                                        ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens), latent_gather(cfg),
-                                       sequence_aux(args, cfg))
+                                       sequence_aux(args, cfg), mx_experts(args, cfg, e))
                 for i in blocks)
     if last:
         vocab = args.vocab_size // tp
@@ -340,7 +346,13 @@ def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
         block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block)),
                                                      cfg.parallelism.cp, args.sparse(block), ulysses_degree(cfg),
                                                      window_tail_keys(args, cfg, block, tokens), latent_gather(cfg),
-                                                     sequence_aux(args, cfg))
+                                                     sequence_aux(args, cfg), mx_experts(args, cfg, e))
+
+
+def mx_experts(args: ModelArgs, cfg: JobConfig, e: int) -> bool:
+    """Whether the experts' grouped matmuls run MXFP8 (bf16 compute, dimensions of whole blocks)."""
+    plan = float8.expert_plan(args, cfg.training.float8, torch.device("cpu"), torch.bfloat16 if e == 2 else torch.float32)
+    return float8.microscaling(cfg.training.float8) and bool(plan) and not any(plan.values())
 
 
 def latent_gather(cfg: JobConfig) -> bool:
@@ -370,7 +382,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     shards; every parameter when it does not and compute is not fp32), one block's unsharded
     fp32 gradients before their reduce-scatter, the logits with their fp32 copy, and under a
     mask one query block's mask (boolean and in the compute dtype) over the whole sequence (over
-    its window's keys, where only sliding blocks are masked)."""
+    its window's keys, where only sliding blocks are masked), and MXFP8's copies of one matmul."""
     p, t = cfg.parallelism, cfg.training
     grouped = units(params)
     sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp, 1, p.ep)) for u in grouped}
@@ -385,4 +397,4 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     full = masked(cfg, args.attention_sinks)  # some block masked over the whole sequence
     keys = t.seq_len if full else min(t.seq_len, window + query_block(window) - 1) if window else 0
     mask = tokens // t.seq_len * min(QUERY_BLOCK if full else query_block(window), queries) * keys * (e + 1)
-    return gathered + logits + mask
+    return gathered + logits + mask + float8.quantised_bytes(args, cfg, tokens // p.cp)

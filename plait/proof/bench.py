@@ -43,7 +43,7 @@ from plait.proof.trace import idle_fractions, phase_seconds, summarise
 Row = Literal["raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "ddp_classic", "fsdp2", "simple_fsdp",
               "simple_fsdp_compiled", "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
               "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled",
-              "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon"]
+              "fsdp2_mxfp8", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon"]
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
 # 1/world of DDP's state per rank; a pipeline stage 1/pp of the single device's.
 STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp_classic"), "pp": ("single",)}
@@ -129,6 +129,8 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
                                  ["--parallelism.dp_shard", n, "--training.float8", "rowwise"]),
         "fsdp2_float8_compiled": ("FSDP2, float8 tensorwise, compiled", nproc,
                                   ["--parallelism.dp_shard", n, *float8, "--compile.enable"]),
+        "fsdp2_mxfp8": ("FSDP2, MXFP8 (the experts too, in bf16)", nproc,
+                        ["--parallelism.dp_shard", n, "--training.float8", "mxfp8"]),
         # mixtures of experts only: experts split over the FSDP2 ranks; the dense twin as FSDP2
         "ep": (f"EP{n} over FSDP2({n})", nproc, ["--parallelism.dp_shard", n, "--parallelism.ep", n]),
         "dense_twin": ("FSDP2, the dense twin (equal active parameters)", nproc, ["--parallelism.dp_shard", n]),

@@ -9,7 +9,7 @@ PP_MICROBATCHES = 4  # the pipeline rows' micro-batches
 DTYPES = ("float32", "bfloat16")
 # float8 row: the same layout without float8, the row its tokens/s are compared with.
 FLOAT8_REFERENCES = {"single_float8": "single", "fsdp2_float8": "fsdp2", "fsdp2_float8_rowwise": "fsdp2",
-                     "fsdp2_float8_compiled": "fsdp2_compiled"}
+                     "fsdp2_float8_compiled": "fsdp2_compiled", "fsdp2_mxfp8": "fsdp2"}
 # Muon rows: the AdamW row of the same layout, whose optimizer step they are compared with.
 MUON_REFERENCES = {"single_muon": "single", "fsdp2_muon": "fsdp2"}
 # plait's row -> the loops it is held against (the framework tax: tokens/s over theirs, same precision).
