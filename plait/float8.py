@@ -175,13 +175,13 @@ def expert_plan(args: ModelArgs, recipe: str, device: torch.device, compute: tor
     """Every mixture-of-experts layer's grouped experts -> "" if their matmuls run `recipe`, else why not."""
     if not args.n_experts:
         return {}
-    if not microscaling(recipe):
-        why = "" if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) else \
-            "torchao's float8 grouped matmul needs CUDA sm90+ (its scales are triton kernels)"
+    kind, multiple = ("MXFP8", MX_BLOCK) if microscaling(recipe) else ("float8", MULTIPLE)
+    if kind == "float8" and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)):
+        why = "torchao's float8 grouped matmul needs CUDA sm90+ (its scales are triton kernels)"
     elif compute != torch.bfloat16:
-        why = f"torchao's MXFP8 grouped matmul multiplies in bfloat16 only (the compute dtype: {compute_name(compute)})"
-    elif args.dim % MX_BLOCK or args.moe_hidden % MX_BLOCK:
-        why = f"their weights {args.moe_hidden}x{args.dim} are not a multiple of {MX_BLOCK} in both dimensions"
+        why = f"torchao's {kind} grouped matmul multiplies in bfloat16 only (compute dtype: {compute_name(compute)})"
+    elif args.dim % multiple or args.moe_hidden % multiple:
+        why = f"their weights {args.moe_hidden}x{args.dim} are not a multiple of {multiple} in both dimensions"
     else:
         why = ""
     with torch.device("meta"):

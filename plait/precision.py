@@ -20,9 +20,10 @@ fully_shard would shard and reduce nothing, only copy every parameter into its a
 and out, and every gradient likewise, each step (13% of a bf16 step on `small`). Its numbers are
 fully_shard's at degree 1, to the bit: the same casts, gradients accumulated in fp32.
 
-`training.float8` (tensorwise or rowwise) is one more column: the blocks' linear layers multiply
-in float8 (torchao, `plait/float8.py`) and everything else as the row says; fsdp2 and ddp run it,
-simple_fsdp refuses it.
+`training.float8` (tensorwise, rowwise, or MXFP8's mxfp8 and mxfp8_wgrad_hp) is one more column:
+the blocks' linear layers (MXFP8: and the experts) multiply in float8 (torchao, `plait/float8.py`)
+and everything else as the row says; fsdp2 and ddp run it (MXFP8: with mode param), simple_fsdp
+refuses it.
 """
 
 from __future__ import annotations
