@@ -350,9 +350,11 @@ def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
 
 
 def mx_experts(args: ModelArgs, cfg: JobConfig, e: int) -> bool:
-    """Whether the experts' grouped matmuls run MXFP8 (bf16 compute, dimensions of whole blocks)."""
-    plan = float8.expert_plan(args, cfg.training.float8, torch.device("cpu"), torch.bfloat16 if e == 2 else torch.float32)
-    return float8.microscaling(cfg.training.float8) and bool(plan) and not any(plan.values())
+    """Whether the experts' grouped matmuls run MXFP8 (bf16 compute, dimensions of whole blocks).
+    (Asked per block of every layout plan weighs: the plan, which builds a model, only under MXFP8.)"""
+    if not (float8.microscaling(cfg.training.float8) and args.n_experts and e == 2):
+        return False
+    return not any(float8.expert_plan(args, cfg.training.float8, torch.device("cpu"), torch.bfloat16).values())
 
 
 def latent_gather(cfg: JobConfig) -> bool:
