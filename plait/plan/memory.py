@@ -183,8 +183,8 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     its fp32 input and normalised values and 1/rms (8 * head_dim + 4 per head it normalises;
     over the projection, one 1/rms for all of them). Norms after the sub-layers (post_norm)
     keep what norms before them do: their fp32 input and values, and the linear layers keep the
-    block input in their stead. Latent attention: `latent_attention_bytes`. A mixture of experts (`moe`) keeps what `moe_bytes` says in the
-    SwiGLU's stead (predicted at tp 1).
+    block input in their stead. Latent attention: `latent_attention_bytes`. A mixture of experts (`moe`)
+    keeps what `moe_bytes` says in the SwiGLU's stead (predicted at tp 1).
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
     experts = moe_bytes(args, tokens, e, mode, sequence_aux, mx_experts) if moe else 0
@@ -246,9 +246,9 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
     its input and weight, where the input itself (the norm's output, which the norms' count
     holds) is then kept by nobody unless shared experts read it. A sigmoid router's sequence-wise
     loss (`sequence_aux`) records its value too and keeps each token's sum of scores (fp32; and
-    per sequence two rows of E, not counted). MXFP8 experts (`mx_experts`) keep each grouped
-    matmul's input padded (every expert's rows to whole blocks of 32, allocated for the worst case)
-    and its padded offsets, in place of the rows' input and the SwiGLU's product."""
+    per sequence two rows of E, not counted). MXFP8 experts (`mx_experts`) keep each grouped matmul's input
+    padded (each expert's rows to blocks of 32, for the worst case) and its padded offsets, instead of the
+    rows' input and the SwiGLU's product."""
     n, k, d, h = args.n_experts, args.top_k, args.dim, args.moe_hidden
     rows, softmax = tokens * k, args.router == "softmax"
     record = n * 8 + 4 * (softmax or sequence_aux)
@@ -263,8 +263,8 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
     row_experts = 8 * rows if args.expert_bias else 0  # which expert's bias each row adds (int64)
     padded = -(-(rows + 32 * n) // 32) * 32
     mx = padded * (2 * d + h) * e + 3 * 2 * n * 4 - rows * (d + h) * e if mx_experts else 0
-    return record + rows * ((3 * d + hidden * h) * e + 16 + e) + row_experts + router + n * 4 + casts + \
-        4 * tokens * shared * e + mx
+    kept = rows * ((3 * d + hidden * h) * e + 16 + e) + row_experts + router + n * 4 + casts + 4 * tokens * shared * e
+    return record + kept + mx
 
 
 def ulysses_kv_heads(kv: int, n: int) -> int:
@@ -343,15 +343,13 @@ def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
     d, block, tp = args.dim, args.n_layers, cfg.parallelism.tp
     own = (8 * d + 4) + (4 * d + 4 + 4 * d * (e != 4)) + 2 * e * d + (8 * d + 4)
     return tokens // tp * own + tokens * (e * d + 4 * args.vocab_size // tp) + 8 + \
-        block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block)),
-                                                     cfg.parallelism.cp, args.sparse(block), ulysses_degree(cfg),
-                                                     window_tail_keys(args, cfg, block, tokens), latent_gather(cfg),
-                                                     sequence_aux(args, cfg), mx_experts(args, cfg, e))
+        block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block)), cfg.parallelism.cp,
+                               args.sparse(block), ulysses_degree(cfg), window_tail_keys(args, cfg, block, tokens),
+                               latent_gather(cfg), sequence_aux(args, cfg), mx_experts(args, cfg, e))
 
 
 def mx_experts(args: ModelArgs, cfg: JobConfig, e: int) -> bool:
-    """Whether the experts' grouped matmuls run MXFP8 (bf16 compute, dimensions of whole blocks).
-    (Asked per block of every layout plan weighs: the plan, which builds a model, only under MXFP8.)"""
+    """Whether the experts' grouped matmuls run MXFP8 (bf16 compute, whole blocks); builds a model only under MXFP8."""
     if not (float8.microscaling(cfg.training.float8) and args.n_experts and e == 2):
         return False
     return not any(float8.expert_plan(args, cfg.training.float8, torch.device("cpu"), torch.bfloat16).values())
