@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from plait.config import ConfigError, JobConfig, dp_degree, hf_folder, job_tokenizer, mix_sources
+from plait.config import ConfigError, JobConfig, dp_degree, hf_folder, job_tokenizer
+from plait.data.mixture import mix_sources
 from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
 from plait.parallel.context_parallel import check_context_parallel
+from plait.parallel.replica_groups import check_fault_tolerance
 from plait.parallel.expert_parallel import check_expert_options
 from plait.parallel.stages import check_pipeline, microbatches
 from plait.float8 import check_tokens
@@ -24,6 +26,7 @@ from plait.metrics.wandb_log import check_wandb
 def check_options(cfg: JobConfig, world: int) -> JobConfig:
     """Every option against the others and the device, for `world` ranks; fills in the derived
     defaults (micro_batch_size, dp_shard, ...) as `validate` does. ConfigError if wrong."""
+    check_fault_tolerance(cfg)  # (first: validate divides the batch by the groups)
     validate(cfg, world)
     check_schedule(cfg)
     check_optimizer(cfg)
@@ -149,7 +152,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     c = cfg.checkpoint
     if cfg.max_restarts < 0:
         raise ConfigError(f"max_restarts: must be >= 0, got {cfg.max_restarts}")
-    if cfg.max_restarts and not (c.folder and c.interval):
+    if cfg.max_restarts and not (c.folder and c.interval) and not cfg.fault_tolerance.enable:
         raise ConfigError("max_restarts: set checkpoint.folder and checkpoint.interval too (a restarted job resumes "
                           "from its newest checkpoint; without one it would start over)")
     if c.interval < 0 or c.keep_latest_k < 0:

@@ -19,7 +19,8 @@ from typing import Literal
 from plait.arguments import parse, parse_args
 from plait.config import ConfigError, JobConfig
 
-USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,eval,bench,bench-context,compare,trace,plan,plot,doctor} [options]
+USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,eval,bench,bench-context,compare,trace,plan,plot,doctor,
+             lighthouse} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -35,6 +36,7 @@ subcommands:
   trace            collectives by phase, dtype and size in profiler traces: plait trace DIR [--expect SPEC]...
   plot             loss, val_loss, lr, grad_norm, tokens/s of runs in a PNG: plait plot METRICS.jsonl [MORE.jsonl] --out run.png
   doctor           is this machine (cluster) fit to train: hardware, compute, corruption, network, a job, storage
+  lighthouse       where fault-tolerant replica groups meet: plait lighthouse [--port 29510] [--min_replicas 1]
 
 plait --version prints the installed version.
 """
@@ -42,6 +44,15 @@ plait --version prints the installed version.
 
 def train(argv: list[str]) -> int:
     cfg = parse_args(argv, prog="plait train")
+    if cfg.fault_tolerance.enable and "RANK" not in os.environ:
+        from plait.parallel.replica_groups import lighthouse
+
+        if not lighthouse(cfg):  # every group here, meeting at a lighthouse of their own
+            from plait.checks import check_options
+            from plait.lighthouse import launch_groups
+
+            check_options(cfg, cfg.nproc)
+            return launch_groups(argv, cfg)
     if (cfg.nproc > 1 or cfg.max_restarts) and "RANK" not in os.environ:
         from plait.checks import check_options
 
@@ -247,6 +258,12 @@ def plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
+def lighthouse(argv: list[str]) -> int:
+    from plait.lighthouse import LighthouseConfig, serve
+
+    return serve(parse(LighthouseConfig, argv, "plait lighthouse"))
+
+
 def plot(argv: list[str]) -> int:
     from plait.metrics.plot import main as plot_main
 
@@ -318,7 +335,8 @@ def evaluate(argv: list[str]) -> int:
 
 COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
             "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context, "compare": compare,
-            "trace": trace, "plan": plan, "plot": plot, "doctor": doctor}
+            "trace": trace, "plan": plan, "plot": plot, "doctor": doctor,
+            "lighthouse": lighthouse}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Every option of a plait job: typed defaults (read from TOML files and the
 command line by `plait.arguments`) and the quantities derived from them (world size, dp degree,
-accumulation steps, a data mixture's sources).
+accumulation steps).
 
 One dataclass per TOML section. The same names work as `--section.key VALUE` on the command
 line and as `[section] key = value` in a TOML file; the command line wins. `plait.checks` checks
@@ -9,7 +9,6 @@ the options against each other before any process group exists.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,6 +271,23 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = False
+    """train as one of `groups` replica groups under torchft (pip install 'plait[ft]'): the groups average
+    gradients every step; a group that dies is left out until it comes back and heals from a live one"""
+    groups: int = 2
+    """replica groups (each its own torchrun job with this layout inside); the global batch is split over them"""
+    replica_id: int = 0
+    """this group's index in [0, groups); `plait train --nproc N` with fault_tolerance.enable starts them all"""
+    min_replicas: int = 1
+    """a step commits only where at least this many groups take part in it"""
+    lighthouse: str = ""
+    """torchft lighthouse (http://HOST:PORT) the groups meet at; empty = $TORCHFT_LIGHTHOUSE"""
+    quorum_timeout_seconds: int = 60
+    """how long a step waits for the groups to agree who takes part"""
+
+
+@dataclass
 class Checkpoint:
     folder: str = ""
     """save training checkpoints here (step-N folders) and resume from the newest complete one"""
@@ -335,6 +351,7 @@ class JobConfig:
     eval: Eval = field(default_factory=Eval)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
@@ -360,28 +377,14 @@ def job_tokenizer(cfg: JobConfig) -> str:
     return cfg.data.tokenizer
 
 
+def replica_groups(cfg: JobConfig) -> int:
+    """Replica groups the global batch is split over: fault_tolerance.groups, or 1."""
+    return cfg.fault_tolerance.groups if cfg.fault_tolerance.enable else 1
+
+
 def dp_degree(cfg: JobConfig) -> int:
-    return cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
-
-
-def mix_sources(spec: str) -> list[tuple[str, float]]:
-    """data.mix "PATH:WEIGHT,PATH:WEIGHT" -> [(path, weight)]; weights >= 0 with a positive sum."""
-    sources = []
-    for part in spec.split(","):
-        path, _, weight = part.strip().rpartition(":")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = math.nan
-        if not path or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"data.mix: {part.strip()!r} is not PATH:WEIGHT with a finite weight >= 0 "
-                              '(e.g. data.mix = "web:0.7,code:0.3")')
-        if not Path(path).exists():
-            raise ConfigError(f"data.mix: {path!r} does not exist")
-        sources.append((path, value))
-    if sum(w for _, w in sources) <= 0:
-        raise ConfigError(f"data.mix: the weights of {spec!r} sum to 0; at least one must be > 0")
-    return sources
+    """Ranks that read different batches, in every replica group together."""
+    return cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard * replica_groups(cfg)
 
 
 def grad_accumulation_steps(cfg: JobConfig) -> int:

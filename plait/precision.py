@@ -35,7 +35,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plait.config import ConfigError, JobConfig, world_size
+from plait.config import ConfigError, JobConfig, replica_groups, world_size
 from plait.float8 import check_float8
 from plait.hardware import native_bf16, pick_device
 
@@ -51,7 +51,7 @@ class Precision:
     emulated: bool = False  # bf16 asked for on hardware without bf16 matmul units: it runs, slowly
     chosen_by: str = ""  # how `auto` picked the compute dtype, for the start-up line
     float8: str = "none"  # float8 recipe of the blocks' linear layers, or none
-    world: int = 1  # ranks of the job
+    world: int = 1  # ranks of the job (in every replica group)
 
     @property
     def one_device(self) -> bool:
@@ -122,7 +122,7 @@ def resolve(cfg: JobConfig) -> Precision:
     precision = Precision(DTYPES[compute], DTYPES[t.mixed_precision_reduce], t.mixed_precision_mode, backend,
                           emulated=compute == "bfloat16" and not native,
                           chosen_by=f"auto: {why}" if t.mixed_precision_param == "auto" else "", float8=t.float8,
-                          world=world_size())
+                          world=world_size() * replica_groups(cfg))
     if backend == "ddp" and precision.mode == "param" and precision.compute != torch.float32:
         raise ConfigError("training.mixed_precision_mode: param is not possible with parallelism.dp_backend ddp "
                           "(DistributedDataParallel cannot cast parameters at module boundaries); use "

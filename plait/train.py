@@ -25,7 +25,7 @@ from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, checkpoint_in,
                                       job_identity, latest_complete)
 from plait.checks import check_options
-from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, world_size
+from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, replica_groups, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, open_loss_sets
 from plait.expert_load import ExpertLoad, FurtherTokens
@@ -43,6 +43,7 @@ from plait.parallel import BatchLayout
 from plait.parallel.expert_parallel import check_experts
 from plait.parallel.stages import microbatches
 from plait.parallel.context_parallel import check_heads
+from plait.parallel.replica_groups import ReplicaGroups, lighthouse, own_paths
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
@@ -167,6 +168,10 @@ def run(cfg: JobConfig) -> list[dict]:
     """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
     started = time.perf_counter() - summary.process_age()
     check_options(cfg, world_size())
+    if cfg.fault_tolerance.enable and not lighthouse(cfg):
+        raise ConfigError("fault_tolerance.lighthouse: the groups need a lighthouse to meet at (http://HOST:PORT, or "
+                          "$TORCHFT_LIGHTHOUSE; `plait lighthouse` runs one; `plait train` without torchrun starts one)")
+    own_paths(cfg)
     set_threads(cfg)
     if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -219,7 +224,10 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                          mesh["cp"].get_local_rank(), cp, cfg.parallelism.cp_kind == "ulysses",
                          args.windows, predicts_further=bool(args.mtp_layers))
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
-    loader = BatchLoader(corpus.sources, corpus.weights, *shape, t.seed)
+    # Replica groups split each step's batch as one more data-parallel dimension; each evaluates all of it
+    group = cfg.fault_tolerance.replica_id if cfg.fault_tolerance.enable else 0
+    loader = BatchLoader(corpus.sources, corpus.weights, *shape[:3], group * dp_mesh.size() + dp_mesh.get_local_rank(),
+                         replica_groups(cfg) * dp_mesh.size(), t.seed)
     evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None,
                             {name: eval_batches(source, *shape, t.eval_steps) for name, source in loss_sets.items()}, suite)
     groups = Groups(dp_mesh.get_group(), loss_mesh.get_group(), mesh["cp"].get_group() if cp > 1 else None)
@@ -235,6 +243,9 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     optimizer, scheduler = build_optimizer(model, cfg)
     checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity, corpus.tokenizer)
     done = checkpointer.restore()
+    replicas = ReplicaGroups(cfg)
+    replicas.start(model, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}, done,
+                   device)
 
     accum = grad_accumulation_steps(cfg)
     tokens_per_step = t.global_batch_size * t.seq_len
@@ -250,10 +261,10 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
             whole = Transformer(args)
         active = f" ({num_params(whole, active=True) / 1e6:.1f}M active: {args.top_k} of {args.n_experts} experts)" \
             if args.n_experts else ""
-        print(f"plait: {parallel.describe(mesh)} | {cfg.checkpoint.load if cfg.model.flavor == 'auto' else cfg.model.flavor}: "
+        print(f"plait: {parallel.describe(mesh)}{replicas.describe()} | {cfg.checkpoint.load if cfg.model.flavor == 'auto' else cfg.model.flavor}: "
               f"{num_params(whole) / 1e6:.1f}M params{' (tied embeddings)' if args.tie_embeddings else ''}{active}, "
               f"vocab {args.vocab_size} | {'+'.join(map(str, loader.num_sequences))} sequences of {t.seq_len} tokens | "
-              f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_mesh.size()} x accum {accum} | "
+              f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_degree(cfg)} x accum {accum} | "
               f"{peak}\nplait: {precision.describe()}" + (f"\nplait: {pipeline.summary}" if pipeline else ""), flush=True)
         for line in hf_start_lines(cfg):
             print(line, flush=True)
@@ -284,10 +295,15 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
         print(f"plait: start-up {startup_s:.1f} s (imports, data, model{', checkpoint' * bool(done)}): "
               f"{t.steps - done} of {t.steps} steps to go", flush=True)
     try:
-        for step in range(done + 1, t.steps + 1):
+        for step in replicas.steps(done, t.steps):
             start = time.perf_counter()
+            if replicas.healed:
+                float8.precompute_scales(model, cfg)
+                if rank == 0:
+                    print(f"plait: healed from a live replica group: continuing at step {step}", flush=True)
             probe = DtypeProbe(contexts, model) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
             with probe, profiler.step(step):
+                position = loader.state_dict()
                 batches = [(inputs.to(device), labels.to(device)) for inputs, labels in loader.next_batches()]
                 if pipeline:  # one local batch: accumulation is the pipeline's micro-batching
                     loss_sum = pipeline.step(*layout(*batches[0]))
@@ -295,6 +311,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 else:
                     loss_sum = accumulate(model, batches, contexts, layout)
                 dist.all_reduce(loss_sum, group=loss_mesh.get_group())
+                replicas.average(loss_sum)
                 preemption.agree()
                 loss_value = loss_sum.item() / (accum * loss_mesh.size())
                 grad_norm = clip_and_norm(model, t.max_norm, *((pipeline.group, pipeline.counted_elsewhere) if pipeline
@@ -303,6 +320,10 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                     raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
                                         f"stopped before the optimizer step, weights are from step {step - 1}")
                 lr = scheduler.get_last_lr()[0]
+                if not replicas.commit():  # a group failed during the step: it comes again, on the same batches
+                    optimizer.zero_grad(set_to_none=True)
+                    loader.load_state_dict(position)
+                    continue
                 with contexts.optimizer():
                     checkpointer.wait_for_staging()
                     optimizer.step()
@@ -320,10 +341,13 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start - evaluated.get("eval_time", 0.0)  # a step's time is training's
             if logger:
-                tokens_per_sec = tokens_per_step / elapsed
+                taking_part = replicas.taking_part()  # (tokens trained, not planned: a dead group's share is not)
+                tokens_per_sec = tokens_per_step * taking_part / replica_groups(cfg) / elapsed
                 row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                        "tokens_per_sec": tokens_per_sec, "mfu": utilisation.mfu(step, tokens_per_sec),
                        "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
+                if cfg.fault_tolerance.enable:
+                    row["replicas"] = taking_part
                 row.update(experts)
                 row.update(evaluated)
                 logger.log(row)
@@ -346,6 +370,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
         # Also when the run fails: a save in flight completes (and gets its manifest) before the
         # process group goes away under it.
         preemption.close()
+        replicas.close()
         checkpointer.close()
         if logger:
             if finished:  # after the last save completed: the summary names it

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import losses, run_plait
 from plait.cli import main
-from plait.config import ConfigError, Data, mix_sources
+from plait.config import ConfigError, Data
+from plait.data.mixture import mix_sources
 from plait.data import BatchLoader, open_data, shards
 from plait.data.documents import iter_documents
 from plait.data.tokenize import main as tokenize_main

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from plait.config import ConfigError, Data, mix_sources
+from plait.config import ConfigError, Data
+from plait.data.mixture import mix_sources
 from plait.data.documents import fingerprint, load_texts
 from plait.data.loader import BatchLoader, eval_batches
 from plait.data.shards import FORMAT, MANIFEST, TOKENIZER, TokenizedFolder, is_tokenized, write_folder
