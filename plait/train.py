@@ -296,7 +296,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
               f"{t.steps - done} of {t.steps} steps to go", flush=True)
     try:
         for step in replicas.steps(done, t.steps):
-            start = time.perf_counter()
+            start = time.perf_counter() - replicas.waited
             if replicas.healed:
                 float8.precompute_scales(model, cfg)
                 if rank == 0:

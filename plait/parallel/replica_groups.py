@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Iterator
 
@@ -87,6 +88,7 @@ class ReplicaGroups:
 
     def __init__(self, cfg: JobConfig):
         self.cfg, self.manager, self.healed = cfg, None, False
+        self.waited = 0.0  # seconds the step's quorum took (a dead group's: until the lighthouse gives up on it)
 
     def start(self, model: nn.Module, state: dict, done: int, device: torch.device) -> None:
         """Join the lighthouse. `state`: what heals a group (name -> an object with state_dict and
@@ -142,8 +144,9 @@ class ReplicaGroups:
             yield from range(done + 1, last + 1)
             return
         while True:
-            behind = self.manager.current_step()
+            behind, asked = self.manager.current_step(), time.perf_counter()
             self.manager.start_quorum()
+            self.waited = time.perf_counter() - asked
             step = self.manager.current_step() + 1
             self.healed = step - 1 != behind
             if step > last:

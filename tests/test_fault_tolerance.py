@@ -1,0 +1,117 @@
+"""Replica groups under torchft (fault_tolerance.*): the groups train as HSDP does, and a group
+that dies mid-run leaves the others training, comes back, heals and ends bitwise equal to them.
+
+Both runs go through the user's path: `plait train --nproc 2 --fault_tolerance.enable` starts a
+lighthouse and two groups, each torchrun with two FSDP2 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, descendants, layout_run, losses, max_abs_diff
+from plait.checkpoint.checkpointer import load_full_state_dict
+from plait.cli import main
+from plait.models.flavors import model_args
+
+pytest.importorskip("torchft")
+
+GROUPS = ["--fault_tolerance.enable", "--fault_tolerance.groups", "2"]
+
+
+def train_groups(out: Path, *args: str, timeout: float = 300) -> subprocess.Popen:
+    command = [sys.executable, "-m", "plait", "train", *TINY, "--nproc", "2", *GROUPS, "--metrics.jsonl",
+               str(out / "metrics.jsonl"), *args]
+    return subprocess.Popen(command, cwd=ROOT, stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
+
+
+def rows(out: Path, group: int) -> list[dict]:
+    path = out / f"metrics.group-{group}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fault_tolerance.replica_id", "2"], "fault_tolerance.replica_id: 2 must be in [0, groups=2)"),
+    (["--fault_tolerance.min_replicas", "3"], "fault_tolerance.min_replicas: 3 must be in [1, groups=2]"),
+    (["--parallelism.dp_backend", "ddp"], "allowed inside a group: dp_backend fsdp2"),
+    (["--parallelism.dp_replicate", "1", "--parallelism.pp", "2", "--nproc", "2"], "pp 2"),
+], ids=["replica_id", "min_replicas", "ddp", "pp"])
+def test_bad_fault_tolerance_options_fail_at_start_up_naming_the_option(flags, message, capsys):
+    assert main(["train", *TINY, *GROUPS, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_group_without_a_lighthouse_is_refused_before_any_process_group(monkeypatch, capsys):
+    """Under torchrun (RANK set) a group has nobody to start a lighthouse: it must be given one."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    assert main(["train", *TINY, *GROUPS]) == 2
+    assert "fault_tolerance.lighthouse: the groups need a lighthouse" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_fsdp2_ranks_train_as_hsdp_2x2(tmp_path, train_once):
+    """With every group in every step (min_replicas 2), the groups are HSDP's replicas: each
+    unit's reduce-scattered gradient averaged across groups by torchft, where HSDP all-reduces
+    it over dp_replicate. Bound: the HSDP row's own against one device (1e-6, fp32 reordered
+    sums: the groups' average is summed by torchft, then divided; measured 4.8e-7)."""
+    job = train_groups(tmp_path, "--training.steps", "6", "--fault_tolerance.min_replicas", "2")
+    assert job.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    hsdp = losses(layout_run(train_once, "hsdp_w4")[0])
+    for group in (0, 1):
+        assert [row["replicas"] for row in rows(tmp_path, group)] == [2] * 6
+        assert max_abs_diff(losses(rows(tmp_path, group)), hsdp) <= 1e-6
+
+
+def kill_rank(job: subprocess.Popen, group: int, rank: int) -> None:
+    """SIGKILL `rank` of replica group `group` (a torchrun worker below the launcher)."""
+    for pid in descendants(job.pid):
+        try:
+            command, env = Path(f"/proc/{pid}/cmdline").read_text(), Path(f"/proc/{pid}/environ").read_text()
+        except OSError:
+            continue
+        if f"replica_id\0{group}\0" in command and f"\0RANK={rank}\0" in f"\0{env}":
+            os.kill(pid, signal.SIGKILL)
+            return
+    raise AssertionError(f"no rank {rank} of group {group} below {job.pid}")
+
+
+@pytest.mark.slow
+def test_a_killed_group_leaves_the_other_training_then_heals_and_ends_bitwise_equal(tmp_path):
+    """SIGKILL rank 1 of group 1 once both groups have taken part in step 5. Group 0 goes on
+    alone (replicas 1) while torchrun restarts group 1 (--max_restarts 1), which heals from group 0
+    at its first quorum and trains with it again (replicas 2) to the last step, where both groups'
+    checkpoints hold the same weights, bit for bit. (100 steps: the restart, ~10 s here, must
+    end before group 0 does.)"""
+    steps = 100
+    job = train_groups(tmp_path, "--training.steps", str(steps), "--max_restarts", "1", "--checkpoint.folder",
+                       str(tmp_path / "ck"))
+    deadline = time.monotonic() + 240
+    while not any(row["step"] >= 5 and row["replicas"] == 2 for row in rows(tmp_path, 1)):
+        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-4000:]
+        time.sleep(0.05)
+    kill_rank(job, group=1, rank=1)
+    assert job.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    log = (tmp_path / "log.txt").read_text()
+    first, back = rows(tmp_path, 0), rows(tmp_path, 1)
+    # Group 0 never stopped: every step from its first (1, or the one it healed at where group 1 started first)
+    assert [row["step"] for row in first] == list(range(first[0]["step"], steps + 1))
+    alone = [row["step"] for row in first if row["replicas"] == 1 and row["step"] > 5]
+    assert alone, "group 0 never trained alone"
+    healed_at = back[0]["step"]  # (the restarted group's metrics begin where it healed)
+    assert f"healed from a live replica group: continuing at step {healed_at}" in log
+    assert alone[-1] < healed_at and all(row["replicas"] == 2 for row in first if row["step"] >= healed_at)
+    args = model_args("debug", 512)
+    weights = [load_full_state_dict(tmp_path / "ck" / f"group-{g}" / f"step-{steps}", args, "checkpoint")
+               for g in (0, 1)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
