@@ -25,7 +25,8 @@ from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, checkpoint_in,
                                       job_identity, latest_complete)
 from plait.checks import check_options
-from plait.config import ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, replica_groups, world_size
+from plait.config import (ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, replica_groups,
+                          world_size)
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, open_loss_sets
 from plait.expert_load import ExpertLoad, FurtherTokens
@@ -252,7 +253,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     sequences_per_forward = t.micro_batch_size // (microbatches(cfg) if pipeline else 1)
     shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len // cp)
     peak = peak_flops(device, precision.compute, shapes)
-    utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size())
+    utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size() * replica_groups(cfg))
     logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done, cfg.metrics.plot,
                            wandb_sinks(cfg, asdict(args), done), steps=t.steps) \
         if rank == 0 else None
