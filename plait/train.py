@@ -44,7 +44,7 @@ from plait.parallel import BatchLayout
 from plait.parallel.expert_parallel import check_experts
 from plait.parallel.stages import microbatches
 from plait.parallel.context_parallel import check_heads
-from plait.parallel.replica_groups import ReplicaGroups, lighthouse, own_paths
+from plait.parallel.replica_groups import ReplicaGroups, check_lighthouse, own_paths
 from plait.parallel.tensor_parallel import check_divisibility
 from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
@@ -169,9 +169,8 @@ def run(cfg: JobConfig) -> list[dict]:
     """Train according to `cfg`; returns rank 0's per-step metric rows (empty on other ranks)."""
     started = time.perf_counter() - summary.process_age()
     check_options(cfg, world_size())
-    if cfg.fault_tolerance.enable and not lighthouse(cfg):
-        raise ConfigError("fault_tolerance.lighthouse: the groups need a lighthouse to meet at (http://HOST:PORT, or "
-                          "$TORCHFT_LIGHTHOUSE; `plait lighthouse` runs one; `plait train` without torchrun starts one)")
+    if cfg.fault_tolerance.enable:
+        check_lighthouse(cfg)
     own_paths(cfg)
     set_threads(cfg)
     if cfg.debug.deterministic:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,12 +51,18 @@ def test_bad_fault_tolerance_options_fail_at_start_up_naming_the_option(flags, m
 
 
 def test_a_group_without_a_lighthouse_is_refused_before_any_process_group(monkeypatch, capsys):
-    """Under torchrun (RANK set) a group has nobody to start a lighthouse: it must be given one."""
+    """Under torchrun (RANK set) a group has nobody to start a lighthouse: it must be given one, and
+    one that answers (only rank 0 talks to it: the others would wait for it until a timeout)."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     assert main(["train", *TINY, *GROUPS]) == 2
     assert "fault_tolerance.lighthouse: the groups need a lighthouse" in capsys.readouterr().err
+    with socket.socket() as unused:  # a port nobody listens on once this closes
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    assert main(["train", *TINY, *GROUPS, "--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]) == 2
+    assert f"fault_tolerance.lighthouse: http://127.0.0.1:{port} does not answer" in capsys.readouterr().err
 
 
 @pytest.mark.slow

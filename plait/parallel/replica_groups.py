@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
+import urllib.parse
 from datetime import timedelta
 from typing import Iterator
 
@@ -57,6 +59,21 @@ def check_fault_tolerance(cfg: JobConfig) -> None:
 def lighthouse(cfg: JobConfig) -> str:
     """The lighthouse the groups meet at: fault_tolerance.lighthouse, or $TORCHFT_LIGHTHOUSE; empty: none given."""
     return cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
+def check_lighthouse(cfg: JobConfig) -> None:
+    """The lighthouse is given and answers: checked on every rank before any process group (only
+    rank 0 talks to it, and the others would wait for rank 0's Manager until a timeout)."""
+    address = lighthouse(cfg)
+    if not address:
+        raise ConfigError("fault_tolerance.lighthouse: the groups need a lighthouse to meet at (http://HOST:PORT, or "
+                          "$TORCHFT_LIGHTHOUSE; `plait lighthouse` runs one; `plait train` without torchrun starts one)")
+    url = urllib.parse.urlsplit(address)
+    try:
+        socket.create_connection((url.hostname, url.port), timeout=10).close()
+    except (OSError, TypeError, ValueError) as e:
+        raise ConfigError(f"fault_tolerance.lighthouse: {address} does not answer ({e}); start one with "
+                          "`plait lighthouse`, and give its http://HOST:PORT") from None
 
 
 def own_paths(cfg: JobConfig) -> None:
