@@ -79,6 +79,23 @@ def test_two_groups_of_two_fsdp2_ranks_train_as_hsdp_2x2(tmp_path, train_once):
         assert max_abs_diff(losses(rows(tmp_path, group)), hsdp) <= 1e-6
 
 
+@pytest.mark.slow
+def test_the_cross_group_average_runs_in_the_reduce_dtype_asked(tmp_path):
+    """Groups of one rank: fully_shard at degree 1 reduces nothing itself, so every backward
+    all-reduce is torchft's cross-group average, one per FSDP2 unit (debug: 2 blocks and the
+    root), in bf16 as mixed_precision_reduce asks."""
+    probe = tmp_path / "probe.json"
+    job = subprocess.run([sys.executable, "-m", "plait", "train", *TINY, *GROUPS, "--training.steps", "1",
+                          "--fault_tolerance.min_replicas", "2", "--training.mixed_precision_reduce", "bfloat16",
+                          "--debug.dtype_probe", str(probe)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-4000:]
+    for group in (0, 1):
+        records = json.loads((tmp_path / f"probe.group-{group}.json").read_text())
+        reduced = [(r["op"], r["dtypes"], r["count"]) for r in records
+                   if r["phase"] == "backward" and r["kind"] == "collective"]
+        assert reduced == [("allreduce_", "bfloat16", 3)]
+
+
 def kill_rank(job: subprocess.Popen, group: int, rank: int) -> None:
     """SIGKILL `rank` of replica group `group` (a torchrun worker below the launcher)."""
     for pid in descendants(job.pid):

@@ -86,11 +86,10 @@ def own_paths(cfg: JobConfig) -> None:
     c.folder = c.folder and os.path.join(c.folder, tag)
     m.tensorboard = m.tensorboard and os.path.join(m.tensorboard, tag)
     cfg.profiling.folder = os.path.join(cfg.profiling.folder, tag)
-    for name in ("jsonl", "plot"):
-        path = getattr(m, name)
-        if path:
+    for section, name in ((m, "jsonl"), (m, "plot"), (cfg.debug, "dtype_probe")):
+        if path := getattr(section, name):
             stem, suffix = os.path.splitext(path)
-            setattr(m, name, f"{stem}.{tag}{suffix}")
+            setattr(section, name, f"{stem}.{tag}{suffix}")
 
 
 def quiet_torchft() -> None:
