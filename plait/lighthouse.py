@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from plait.config import JobConfig
 from plait.parallel.replica_groups import quiet_torchft
+from plait.preemption import handled
 
 
 def start(min_replicas: int, port: int = 0):
@@ -31,7 +32,10 @@ def launch_groups(argv: list[str], cfg: JobConfig) -> int:
     print(f"plait: lighthouse at {server.address()}: {ft.groups} replica groups of {cfg.nproc} rank(s), a step "
           f"needs {ft.min_replicas}", flush=True)
     jobs = [subprocess.Popen([sys.executable, "-m", "plait", "train", *argv, "--fault_tolerance.replica_id", str(i),
-                              "--fault_tolerance.lighthouse", server.address()]) for i in range(ft.groups)]
+                              "--fault_tolerance.lighthouse", server.address()], start_new_session=True)
+            for i in range(ft.groups)]  # (their own sessions: a terminal's Ctrl-C reaches them once, forwarded)
+    for sig in handled():  # a preemption of the job is every group's: each saves and stops
+        signal.signal(sig, lambda signum, frame: [job.send_signal(signum) for job in jobs if job.poll() is None])
     try:
         codes = [job.wait() for job in jobs]
     finally:
