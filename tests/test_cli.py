@@ -14,7 +14,8 @@ from plait.cli import COMMANDS, main
 # its own usage line and exit code 0)
 OWN_OPTION = {"train": "--training.steps", "tokenize": "--workers", "seed-checkpoint": "--out", "export": "--shard_mb",
               "generate": "--max_new_tokens", "bench": "--rounds", "bench-context": "--seq_lens", "compare": "--run",
-              "trace": "--expect", "plan": "--device_memory_gib", "doctor": "--budget_seconds"}
+              "trace": "--expect", "plan": "--device_memory_gib", "doctor": "--budget_seconds",
+              "lighthouse": "--min_replicas"}
 
 
 @pytest.mark.parametrize("command", COMMANDS)

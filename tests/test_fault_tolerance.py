@@ -112,10 +112,10 @@ def kill_rank(job: subprocess.Popen, group: int, rank: int) -> None:
 @pytest.mark.slow
 def test_a_killed_group_leaves_the_other_training_then_heals_and_ends_bitwise_equal(tmp_path):
     """SIGKILL rank 1 of group 1 once both groups have taken part in step 5. Group 0 goes on
-    alone (replicas 1) while torchrun restarts group 1 (--max_restarts 1), which heals from group 0
-    at its first quorum and trains with it again (replicas 2) to the last step, where both groups'
-    checkpoints hold the same weights, bit for bit. (100 steps: the restart, ~10 s here, must
-    end before group 0 does.)"""
+    (alone, replicas 1, once the lighthouse gives up on group 1) while torchrun restarts group 1
+    (--max_restarts 1), which heals from group 0 at its first quorum and trains with it again
+    (replicas 2) to the last step, where both groups' checkpoints hold the same weights, bit for
+    bit. (100 steps: the restart, 4-10 s here, must end before group 0 does.)"""
     steps = 100
     job = train_groups(tmp_path, "--training.steps", str(steps), "--max_restarts", "1", "--checkpoint.folder",
                        str(tmp_path / "ck"))
@@ -129,11 +129,12 @@ def test_a_killed_group_leaves_the_other_training_then_heals_and_ends_bitwise_eq
     first, back = rows(tmp_path, 0), rows(tmp_path, 1)
     # Group 0 never stopped: every step from its first (1, or the one it healed at where group 1 started first)
     assert [row["step"] for row in first] == list(range(first[0]["step"], steps + 1))
-    alone = [row["step"] for row in first if row["replicas"] == 1 and row["step"] > 5]
-    assert alone, "group 0 never trained alone"
     healed_at = back[0]["step"]  # (the restarted group's metrics begin where it healed)
-    assert f"healed from a live replica group: continuing at step {healed_at}" in log
-    assert alone[-1] < healed_at and all(row["replicas"] == 2 for row in first if row["step"] >= healed_at)
+    assert healed_at > 5 and f"healed from a live replica group: continuing at step {healed_at}" in log
+    # Between the kill and the heal group 0 trained alone, unless group 1 was back before the
+    # lighthouse gave up on it (5 s): then group 0's next quorum waited for it instead
+    assert all(row["replicas"] == 1 for row in first if 5 < row["step"] < healed_at)
+    assert all(row["replicas"] == 2 for row in first if row["step"] >= healed_at)
     args = model_args("debug", 512)
     weights = [load_full_state_dict(tmp_path / "ck" / f"group-{g}" / f"step-{steps}", args, "checkpoint")
                for g in (0, 1)]
