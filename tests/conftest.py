@@ -312,6 +312,7 @@ LAYOUTS = {
     "fsdp2_mx": (2, [*MXFP8, *degrees(1, 2)]),
     "tp_mx": (2, [*MXFP8, *degrees(1, 1, tp=2)]),
     "pp_mx": (2, [*MXFP8, *PP2]),
+    "cp_mx": (2, [*MXFP8, *CP2, "--training.micro_batch_size", "2"]),
     "fsdp2_tp_mx": (4, [*MXFP8, *degrees(1, 2, tp=2)]),
     "single_moe_mx": (1, [*MOE, *MXFP8, "--training.micro_batch_size", "2"]),
     "single_moe_mx_mb1": (1, [*MOE, *MXFP8, "--training.micro_batch_size", "1"]),

@@ -73,6 +73,7 @@ AC_RUNS = {  # (layout, precision, AC options); their reference is the same run 
     ("fsdp2", "bf16", "selective"): [*AC, "selective"],
     ("ddp_tp", "fp32", "selective"): [*AC, "selective"],
     ("ddp_tp", "bf16", "full"): [*AC, "full"],
+    ("fsdp2_mx", "fp32", "full"): [*AC, "full"],
     ("single_deep", "fp32", "full every 2"): [*AC, "full", "--activation_checkpoint.every", "2"],
     ("cp", "fp32", "full"): [*AC, "full"],  # a checkpointed block gathers K/V again in backward
     ("cp_ulysses", "fp32", "full"): [*AC, "full"],  # ... or sends q, k, v and the output all-to-all again
