@@ -159,7 +159,7 @@ class ReplicaGroups:
         if self.manager is None:
             yield from range(done + 1, last + 1)
             return
-        while True:
+        while self.manager.current_step() < last:  # (not one more quorum after the last step: nobody may come)
             behind, asked = self.manager.current_step(), time.perf_counter()
             self.manager.start_quorum()
             self.waited = time.perf_counter() - asked
