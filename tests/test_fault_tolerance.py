@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, descendants, layout_run, losses, max_abs_diff
+from conftest import ROOT, TINY, layout_run, losses, max_abs_diff
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.cli import main
 from plait.models.flavors import model_args
+from plait.proof.replica_soak import rows
+from plait.proof.soak import workers
 
 pytest.importorskip("torchft")
 
@@ -32,11 +34,6 @@ def train_groups(out: Path, *args: str, timeout: float = 300) -> subprocess.Pope
     command = [sys.executable, "-m", "plait", "train", *TINY, "--nproc", "2", *GROUPS, "--metrics.jsonl",
                str(out / "metrics.jsonl"), *args]
     return subprocess.Popen(command, cwd=ROOT, stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
-
-
-def rows(out: Path, group: int) -> list[dict]:
-    path = out / f"metrics.group-{group}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -98,15 +95,9 @@ def test_the_cross_group_average_runs_in_the_reduce_dtype_asked(tmp_path):
 
 def kill_rank(job: subprocess.Popen, group: int, rank: int) -> None:
     """SIGKILL `rank` of replica group `group` (a torchrun worker below the launcher)."""
-    for pid in descendants(job.pid):
-        try:
-            command, env = Path(f"/proc/{pid}/cmdline").read_text(), Path(f"/proc/{pid}/environ").read_text()
-        except OSError:
-            continue
-        if f"replica_id\0{group}\0" in command and f"\0RANK={rank}\0" in f"\0{env}":
-            os.kill(pid, signal.SIGKILL)
-            return
-    raise AssertionError(f"no rank {rank} of group {group} below {job.pid}")
+    ranks = workers(job.pid, f"replica_id\0{group}\0", f"\0RANK={rank}\0")
+    assert ranks, f"no rank {rank} of group {group} below {job.pid}"
+    os.kill(ranks[0], signal.SIGKILL)
 
 
 @pytest.mark.slow

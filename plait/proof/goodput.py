@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.arguments import parse
+from plait.proof.soak import workers
 
 JOB = ["--training.threads", "1", "--training.seq_len", "64", "--training.global_batch_size", "4",
        "--data.vocab_size", "512", "--training.mixed_precision_param", "float32", "--metrics.log_interval", "1"]
@@ -43,39 +44,30 @@ class GoodputArgs:
     """the restart run's checkpoint interval"""
 
 
-def killer(job: subprocess.Popen, metrics: Path, kill_at: int, marker: str) -> tuple[dict[int, float], float]:
+def killer(job: subprocess.Popen, metrics: Path, kill_at: int, parts: tuple[str, ...]) -> tuple[dict[int, float], float]:
     """Wait for `metrics` to reach step `kill_at`, SIGKILL the rank whose command line and
-    environment hold `marker`, then record when each new step first appears until the job ends.
-    Returns ({step: seconds since start when first seen}, seconds of the kill)."""
-    from plait.cli import descendants
-
+    environment hold `parts` (`soak.workers`), then record when each new step first appears until
+    the job ends. Returns ({step: seconds since start when first seen}, seconds of the kill)."""
     start, seen, killed = time.monotonic(), {}, None
     while job.poll() is None:
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         for row in rows:
             seen.setdefault(row["step"], time.monotonic() - start)
-        if killed is None and max(seen, default=0) >= kill_at:
-            for pid in descendants(job.pid):
-                try:
-                    text = Path(f"/proc/{pid}/cmdline").read_text() + "\0" + Path(f"/proc/{pid}/environ").read_text()
-                except OSError:
-                    continue
-                if all(part in "\0" + text for part in marker.split("|")):
-                    os.kill(pid, signal.SIGKILL)
-                    killed = time.monotonic() - start
-                    break
+        if killed is None and max(seen, default=0) >= kill_at and (ranks := workers(job.pid, *parts)):
+            os.kill(ranks[0], signal.SIGKILL)
+            killed = time.monotonic() - start
         time.sleep(0.02)
     if job.returncode != 0 or killed is None:
-        raise SystemExit(f"goodput: the job failed ({job.returncode}) or no rank matched {marker!r}")
+        raise SystemExit(f"goodput: the job failed ({job.returncode}) or no rank matched {parts!r}")
     return seen, killed
 
 
-def run(out: Path, flags: list[str], metrics: str, watched: str, args: GoodputArgs, marker: str) -> dict:
+def run(out: Path, flags: list[str], watched: str, args: GoodputArgs, parts: tuple[str, ...]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     job = subprocess.Popen([sys.executable, "-m", "plait", "train", *JOB, "--training.steps", str(args.steps),
-                            "--max_restarts", "1", "--metrics.jsonl", str(out / metrics), *flags],
+                            "--max_restarts", "1", "--metrics.jsonl", str(out / "metrics.jsonl"), *flags],
                            stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
-    seen, killed = killer(job, out / watched, args.kill_at, marker)
+    seen, killed = killer(job, out / watched, args.kill_at, parts)
     rows = [json.loads(line) for line in (out / watched).read_text().splitlines()]
     usual = statistics.median(row["step_time"] for row in rows)
     done = max(step for step, t in seen.items() if t <= killed)
@@ -93,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     restart = run(out / "restart", ["--nproc", "4", "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
                                     "--checkpoint.folder", str(out / "restart" / "ck"), "--checkpoint.interval",
-                                    str(args.interval)], "metrics.jsonl", "metrics.jsonl", args, "\x00RANK=3\x00")
+                                    str(args.interval)], "metrics.jsonl", args, ("\x00RANK=3\x00",))
     groups = run(out / "groups", ["--nproc", "2", "--fault_tolerance.enable", "--fault_tolerance.groups", "2"],
-                 "metrics.jsonl", "metrics.group-0.jsonl", args, "replica_id\x001\x00|\x00RANK=1\x00")
+                 "metrics.group-0.jsonl", args, ("replica_id\x001\x00", "\x00RANK=1\x00"))
     print(f"goodput: one rank of 4 SIGKILLed after step {args.kill_at} of {args.steps} (debug model, CPU)\n")
     print("| | restart from a checkpoint (every " + str(args.interval) + " steps) | replica groups (torchft) |")
     print("|---|---|---|")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from plait.arguments import parse
 from plait.proof.goodput import JOB
+from plait.proof.soak import workers
 
 
 @dataclass
@@ -35,21 +36,6 @@ class SoakArgs:
     """steps of the run: long enough for every kill's group to come back (~10 s each on a CPU)"""
     seed: int = 0
     """for the moments, groups and ranks of the kills"""
-
-
-def ranks_of(job: subprocess.Popen, group: int) -> list[int]:
-    """The live worker processes of replica group `group` below the launcher."""
-    from plait.cli import descendants
-
-    found = []
-    for pid in descendants(job.pid):
-        try:
-            text = Path(f"/proc/{pid}/cmdline").read_text() + "\0" + Path(f"/proc/{pid}/environ").read_text()
-        except OSError:
-            continue
-        if f"replica_id\0{group}\0" in text and "\0RANK=" in text:
-            found.append(pid)
-    return found
 
 
 def rows(out: Path, group: int) -> list[dict]:
@@ -72,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(rng.uniform(3, 8))
         group = rng.randrange(2)
         # A group still coming back (fewer than its 2 ranks, or not yet past its first step) is spared
-        if len(workers := ranks_of(job, group)) == 2 and rows(out, group):
-            os.kill(rng.choice(workers), signal.SIGKILL)
+        if len(ranks := workers(job.pid, f"replica_id\0{group}\0")) == 2 and rows(out, group):
+            os.kill(rng.choice(ranks), signal.SIGKILL)
             kills += 1
             print(f"replica_soak: kill {kills} at {time.monotonic() - started:.0f} s: group {group}", flush=True)
     try:

@@ -43,15 +43,18 @@ def train(extra: list[str]) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def workers(pid: int) -> list[int]:
+def workers(pid: int, *parts: str) -> list[int]:
+    """The ranks (RANK in their environment) below `pid` whose command line and environment, each
+    NUL-separated and NUL-led, hold every one of `parts` (say "\0RANK=1\0")."""
     from plait.cli import descendants
 
-    return [p for p in descendants(pid) if "\0RANK=" in "\0" + _environ(p)]
+    return [p for p in descendants(pid) if "\0RANK=" in (text := _read(p, "cmdline") + _read(p, "environ"))
+            and all(part in text for part in parts)]
 
 
-def _environ(pid: int) -> str:
+def _read(pid: int, name: str) -> str:
     try:
-        return Path(f"/proc/{pid}/environ").read_text()
+        return "\0" + Path(f"/proc/{pid}/{name}").read_text()
     except OSError:
         return ""
 
