@@ -60,7 +60,7 @@ class Model:
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """attention kernel: sdpa (scaled_dot_product_attention, a mask tensor under the document mask), flex
     (FlexAttention with a block mask: skips masked blocks; CUDA only for training); auto: flex for the
-    document mask on CUDA without pp or cp, else sdpa"""
+    document mask on CUDA without pp, cp or debug.dtype_probe, else sdpa"""
 
 
 @dataclass

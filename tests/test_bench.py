@@ -96,6 +96,29 @@ def test_bench_says_when_bf16_was_not_measured():
     assert "bf16 tok/s" not in text
 
 
+def test_bench_of_one_precision_tables_it_alone():
+    """`--precisions bfloat16` (a GPU's choice): one table, no fp32 column or "not measured" line,
+    state ratios from the bf16 runs."""
+    from plait.proof.bench import state_ratios
+    from plait.proof.bench_table import markdown
+
+    def row(key, layout, world, state):
+        return {"flavor": "debug", "key": key, "layout": layout, "world": world, "bfloat16_tokens_per_sec": 100.0,
+                "bfloat16_mfu": 0.4, "bfloat16_vs_raw": None, "bfloat16_memory_gib": 1.0, "bfloat16_state_gib": state,
+                "bfloat16_collectives_per_step": 0}
+
+    rows = [row("ddp", "DDP", 2, 0.2), row("fsdp2", "FSDP2", 2, 0.1)]
+    ratios = state_ratios(rows)
+    assert [(r["layout"], r["ratio"]) for r in ratios] == [("FSDP2", 0.5)]
+    machine = {"device": "GPU", "native_bf16": True, "why": "-", "threads": 16, "dtypes": ["bfloat16"],
+               "peak_tflops": {"bfloat16": 989.5}}
+    text = markdown({"settings": {"seq_len": 64, "global_batch_size": 4, "warmup": 2, "steps": 3,
+                                  "precisions": ["bfloat16"]},
+                     "hardware": {"debug": machine}, "rows": rows, "state_ratios": ratios})
+    assert "| layout | world | bf16 tok/s | MFU | vs raw | peak mem GiB |" in text
+    assert "fp32" not in text and "not measured" not in text and "| FSDP2 | 2 | 100 | 40.0% | - | 1.00 | 0.1 |" in text
+
+
 def test_bench_tables_a_compiled_column_and_the_framework_tax():
     """With --compile, the rows measured compiled show tokens/s and the ratio to eager, and the tax
     lines compare eager with eager and compiled with compiled."""

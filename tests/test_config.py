@@ -89,6 +89,7 @@ def test_unknown_config_name_lists_named_configs():
     (["--model.attention", "flex"], "flex cannot train on this device"),
     (["--model.attention", "flex", "--parallelism.cp", "2"], "flex is not proven with pp > 1 or cp > 1"),
     (["--model.attention", "flex", "--model.attention_mask", "causal"], "flex serves the document mask"),
+    (["--model.attention", "flex", "--debug.dtype_probe", "p.json"], "debug.dtype_probe records eager ops"),
     (["--model.attention_mask", "sliding"], "model.attention_mask"),
 ])
 def test_validation_errors_name_the_option(argv, fragment):

@@ -182,3 +182,12 @@ def test_reference_keeps_the_kernel_auto_chose(monkeypatch):
     monkeypatch.setattr("plait.models.masking.pick_device", lambda _: torch.device("cuda"))
     job = job_config(parse([*FP32, "--parallelism.cp", "2"]), 2)
     assert attention_kernel(reference_config(job)) == attention_kernel(job) == "sdpa"
+
+
+
+def test_auto_attention_is_sdpa_under_the_dtype_probe(monkeypatch):
+    """FlexAttention trains compiled and the probe records eager ops (on an H200 a probed flex step
+    failed in the compiler): on CUDA `auto` is flex for the document mask, sdpa once probed."""
+    monkeypatch.setattr("plait.models.masking.pick_device", lambda _: torch.device("cuda"))
+    assert attention_kernel(parse(FP32)) == "flex"
+    assert attention_kernel(parse([*FP32, "--debug.dtype_probe", "probe.json"])) == "sdpa"

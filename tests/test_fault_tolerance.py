@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,17 +64,30 @@ def test_a_group_without_a_lighthouse_is_refused_before_any_process_group(monkey
 
 
 @pytest.mark.slow
-def test_two_groups_of_two_fsdp2_ranks_train_as_hsdp_2x2(tmp_path, train_once):
+def test_two_groups_of_two_fsdp2_ranks_train_as_hsdp_2x2_and_a_whole_job_restart_resumes_exactly(tmp_path,
+                                                                                                  train_once):
     """With every group in every step (min_replicas 2), the groups are HSDP's replicas: each
     unit's reduce-scattered gradient averaged across groups by torchft, where HSDP all-reduces
     it over dp_replicate. Bound: the HSDP row's own against one device (1e-6, fp32 reordered
-    sums: the groups' average is summed by torchft, then divided; measured 4.8e-7)."""
-    job = train_groups(tmp_path, "--training.steps", "6", "--fault_tolerance.min_replicas", "2")
+    sums: the groups' average is summed by torchft, then divided; measured 4.8e-7).
+    Then the whole job again, as after losing every group: each group resumes from its own
+    step-3 checkpoint (step 6's removed) and repeats steps 4-6 bit for bit."""
+    saves = ["--checkpoint.folder", str(tmp_path / "ck"), "--checkpoint.interval", "3"]
+    job = train_groups(tmp_path, "--training.steps", "6", "--fault_tolerance.min_replicas", "2", *saves)
     assert job.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
     hsdp = losses(layout_run(train_once, "hsdp_w4")[0])
     for group in (0, 1):
         assert [row["replicas"] for row in rows(tmp_path, group)] == [2] * 6
         assert max_abs_diff(losses(rows(tmp_path, group)), hsdp) <= 1e-6
+        shutil.rmtree(tmp_path / "ck" / f"group-{group}" / "step-6")
+    again = tmp_path / "again"
+    again.mkdir()
+    job = train_groups(again, "--training.steps", "6", "--fault_tolerance.min_replicas", "2", *saves)
+    assert job.wait(timeout=300) == 0, (again / "log.txt").read_text()[-4000:]
+    for group in (0, 1):
+        resumed = rows(again, group)
+        assert [row["step"] for row in resumed] == [4, 5, 6]
+        assert losses(resumed) == losses(rows(tmp_path, group))[3:]
 
 
 @pytest.mark.slow

@@ -74,12 +74,14 @@ def block_mask(documents: torch.Tensor, queries: torch.Tensor, window: int = 0):
 
 def attention_kernel(cfg: JobConfig) -> str:
     """`model.attention` settled: auto is flex where it trains and pays (the document mask on
-    CUDA, no pp or cp), else sdpa."""
+    CUDA, no pp or cp, no dtype probe: FlexAttention trains compiled, the probe records eager ops),
+    else sdpa."""
     m, p = cfg.model, cfg.parallelism
     if m.attention != "auto":
         return m.attention
     cuda = pick_device(cfg.training.device).type == "cuda"
-    return "flex" if cuda and m.attention_mask == "document" and p.pp == 1 and p.cp == 1 else "sdpa"
+    flex = cuda and m.attention_mask == "document" and p.pp == 1 and p.cp == 1 and not cfg.debug.dtype_probe
+    return "flex" if flex else "sdpa"
 
 
 def check_attention(cfg: JobConfig) -> None:
@@ -93,6 +95,9 @@ def check_attention(cfg: JobConfig) -> None:
     if p.pp > 1 or p.cp > 1:
         raise ConfigError("model.attention: flex is not proven with pp > 1 or cp > 1 (a pipeline splits its inputs "
                           "by tensor, and a BlockMask is none); allowed there: auto or sdpa")
+    if cfg.debug.dtype_probe:
+        raise ConfigError("model.attention: flex runs compiled, and debug.dtype_probe records eager ops (a job "
+                          "probed under FlexAttention failed on an H200 in the compiler); allowed with the probe: auto or sdpa")
     if pick_device(cfg.training.device).type != "cuda":
         raise ConfigError("model.attention: flex cannot train on this device (torch 2.13 has no FlexAttention "
                           "backward on CPU); allowed: auto or sdpa (SDPA with the document mask)")

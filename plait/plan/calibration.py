@@ -58,7 +58,7 @@ class Calibration:
     native_bf16: bool = True
     """whether the device multiplies in bf16 (what `mixed_precision_param auto` picks)"""
     elementwise: dict[str, float] = field(default_factory=dict)
-    """dtype -> bytes/s of element-wise work measured in a block of the job's model (else `memory`)"""
+    """dtype -> bytes/s of element-wise work measured in a block of the job's model (else `memory`, as on GPUs)"""
 
     def compute_bytes(self, param: str) -> int:
         """Bytes per element of the compute dtype `training.mixed_precision_param` asks for here."""

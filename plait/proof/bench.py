@@ -89,6 +89,8 @@ class BenchConfig:
     its rounds (on a noisy machine 3 rounds steady the ratios between rows)"""
     calibration: str = ""
     """plait doctor --json FILE of this machine: each row also gets plait plan's predicted tokens/s from it"""
+    precisions: tuple[Literal["float32", "bfloat16"], ...] = DTYPES
+    """compute dtypes every row runs in (on a GPU, bfloat16 alone saves the fp32 runs no one trains in)"""
     emulated_bf16: Literal["skip", "run"] = "skip"
     """where the device has no bf16 matmul units (e.g. AVX2-only CPUs, 150-280x slower in bf16): skip = measure
     fp32 only and say so in the table; run = measure the bf16 rows anyway"""
@@ -230,7 +232,7 @@ def hardware(cfg: BenchConfig, flavor: str) -> dict:
     torch.set_num_threads(threads)
     args = model_args(flavor, build_tokenizer(Data()).get_vocab_size())
     shapes = linear_shapes(linear_weight_shapes(args), cfg.global_batch_size * cfg.seq_len)
-    dtypes = DTYPES if native or cfg.emulated_bf16 == "run" else DTYPES[:1]
+    dtypes = [d for d in cfg.precisions if d == "float32" or native or cfg.emulated_bf16 == "run"]
     return {"device": device_name(device), "native_bf16": native, "why": why, "threads": threads, "dtypes": dtypes,
             "peak_tflops": {dtype: peak_flops(device, getattr(torch, dtype), shapes).flops / 1e12 for dtype in dtypes}}
 
@@ -320,7 +322,7 @@ def bench(cfg: BenchConfig) -> dict:
             for key, rounds in runs.items():
                 name, world, _ = spec[key]
                 row = {"flavor": flavor, "key": key, "layout": name, "world": world, **across_rounds(rounds)}
-                if "bfloat16_tokens_per_sec" in row:
+                if "bfloat16_tokens_per_sec" in row and "float32_tokens_per_sec" in row:
                     row["bf16_speedup"] = row["bfloat16_tokens_per_sec"] / row["float32_tokens_per_sec"]
                 print(f"bench: {name}: " + ", ".join(f"{row[f'{dtype}_tokens_per_sec']:.0f} tok/s {dtype}"
                                                      for dtype in machine[flavor]["dtypes"]), file=sys.stderr, flush=True)
@@ -369,10 +371,11 @@ def state_ratios(table: list[dict]) -> list[dict]:
         rows = {r["key"]: r for r in table if r["flavor"] == flavor}
         for key, references in STATE_REFERENCES.items():
             reference = next((rows[k] for k in references if k in rows), None)
-            if reference and key in rows:
+            state = next((f"{d}_state_gib" for d in DTYPES if f"{d}_state_gib" in rows.get(key, {})), None)
+            if reference and key in rows and state in reference:
                 ratios.append({"flavor": flavor, "world": rows[key]["world"], "layout": rows[key]["layout"],
                                "reference": reference["layout"],
-                               "ratio": rows[key]["float32_state_gib"] / reference["float32_state_gib"]})
+                               "ratio": rows[key][state] / reference[state]})
     return ratios
 
 

@@ -119,11 +119,13 @@ def markdown(result: dict) -> str:
                   + "; state = parameters + gradients + optimizer "
                   "state on rank 0; collectives per step on rank 0, loss and grad-norm reductions left out", ""]
         for dtype, short in zip(DTYPES, ("fp32", "bf16")):
+            if dtype not in cfg.get("precisions", DTYPES):
+                continue
             if dtype not in machine["dtypes"]:
                 lines += [f"{short}: not measured, emulated on this device ({machine['why']}); "
                           "`plait bench --emulated_bf16 run` measures it anyway", ""]
                 continue
-            speedup = " vs fp32 |" if dtype == "bfloat16" else ""
+            speedup = " vs fp32 |" if dtype == "bfloat16" and "float32" in machine["dtypes"] else ""
             compiled = " compiled tok/s |" if cfg.get("compile") else ""
             lines += [f"| layout | world | {short} tok/s |{compiled} MFU | vs raw |{speedup} peak mem GiB | state GiB/rank "
                       f"| collectives/step | AC vs FSDP2 |",
