@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, layout_run, losses, max_abs_diff
+from conftest import ROOT, STEPS, TINY, layout_run, losses, max_abs_diff
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.cli import main
 from plait.models.flavors import model_args
@@ -88,6 +88,17 @@ def test_two_groups_of_two_fsdp2_ranks_train_as_hsdp_2x2_and_a_whole_job_restart
         resumed = rows(again, group)
         assert [row["step"] for row in resumed] == [4, 5, 6]
         assert losses(resumed) == losses(rows(tmp_path, group))[3:]
+
+
+@pytest.mark.slow
+def test_tp_inside_each_group_trains_as_ddp_with_tp(tmp_path, train_once):
+    """A group's own layout: TP2 in each of 2 groups is DDP2 x TP2 (the ddp_tp row), bit for bit:
+    the groups' average is one sum of two gradients divided by 2, as DDP's all-reduce of two."""
+    job = train_groups(tmp_path, *STEPS, "--fault_tolerance.min_replicas", "2", "--parallelism.dp_shard", "1",
+                       "--parallelism.tp", "2")
+    assert job.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    for group in (0, 1):
+        assert losses(rows(tmp_path, group)) == losses(layout_run(train_once, "ddp_tp")[0])
 
 
 @pytest.mark.slow
