@@ -117,6 +117,8 @@ def test_bench_of_one_precision_tables_it_alone():
                      "hardware": {"debug": machine}, "rows": rows, "state_ratios": ratios})
     assert "| layout | world | bf16 tok/s | MFU | vs raw | peak mem GiB |" in text
     assert "fp32" not in text and "not measured" not in text and "| FSDP2 | 2 | 100 | 40.0% | - | 1.00 | 0.1 |" in text
+    from plait.cli import main
+    assert main(["bench", "--precisions"]) == 2  # (refused before any row runs)
 
 
 def test_bench_tables_a_compiled_column_and_the_framework_tax():

@@ -232,7 +232,7 @@ def hardware(cfg: BenchConfig, flavor: str) -> dict:
     torch.set_num_threads(threads)
     args = model_args(flavor, build_tokenizer(Data()).get_vocab_size())
     shapes = linear_shapes(linear_weight_shapes(args), cfg.global_batch_size * cfg.seq_len)
-    dtypes = [d for d in cfg.precisions if d == "float32" or native or cfg.emulated_bf16 == "run"]
+    dtypes = [d for d in dict.fromkeys(cfg.precisions) if d == "float32" or native or cfg.emulated_bf16 == "run"]
     return {"device": device_name(device), "native_bf16": native, "why": why, "threads": threads, "dtypes": dtypes,
             "peak_tflops": {dtype: peak_flops(device, getattr(torch, dtype), shapes).flops / 1e12 for dtype in dtypes}}
 
@@ -293,6 +293,8 @@ def bench(cfg: BenchConfig) -> dict:
         raise ConfigError(f"steps: must exceed warmup ({cfg.warmup}), got {cfg.steps}")
     if cfg.rounds < 1:
         raise ConfigError(f"rounds: must be at least 1, got {cfg.rounds}")
+    if not cfg.precisions:
+        raise ConfigError("precisions: name at least one; allowed: float32, bfloat16")
     table, machine, spec = [], {}, layouts(cfg.nproc)
     start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
