@@ -191,3 +191,16 @@ def test_auto_attention_is_sdpa_under_the_dtype_probe(monkeypatch):
     monkeypatch.setattr("plait.models.masking.pick_device", lambda _: torch.device("cuda"))
     assert attention_kernel(parse(FP32)) == "flex"
     assert attention_kernel(parse([*FP32, "--debug.dtype_probe", "probe.json"])) == "sdpa"
+
+
+def test_the_throughput_row_says_when_a_gpu_waits_on_the_host():
+    """On an H200 the doctor's debug job ran at MFU 0.1% and plan predicted it 4-7x too fast: the
+    row says why there, and only there (a CPU, or a job that keeps the GPU busy, reads plainly)."""
+    from plait.doctor.job import throughput_text
+
+    waiting = "leaves the GPU waiting on the host"
+    assert waiting in throughput_text(104_318, 0.001, 6, 442_492, gpu=True)
+    assert waiting not in throughput_text(104_318, 0.001, 6, 442_492, gpu=False)
+    assert waiting not in throughput_text(59_043, 0.399, 6, 64_830, gpu=True)
+    assert throughput_text(479, 0.566, 6, 539, gpu=False) == \
+        "479 tokens/s, MFU 56.6% (median of steps 2-6); plait plan predicts 539 (1.13x)"
