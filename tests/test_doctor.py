@@ -184,7 +184,6 @@ def test_reference_keeps_the_kernel_auto_chose(monkeypatch):
     assert attention_kernel(reference_config(job)) == attention_kernel(job) == "sdpa"
 
 
-
 def test_auto_attention_is_sdpa_under_the_dtype_probe(monkeypatch):
     """FlexAttention trains compiled and the probe records eager ops (on an H200 a probed flex step
     failed in the compiler): on CUDA `auto` is flex for the document mask, sdpa once probed."""
