@@ -10,7 +10,8 @@ speed for its size:
   doctor (else the memory speed of one block's tensors);
 - the host's time per operator (dispatch, autograd), counted on the model's own structure;
   on a GPU the host queues operators ahead, so a micro-batch takes the larger of the two;
-plus the recomputed forward of checkpointed blocks, a pipeline's bubble, the optimizer step
+plus the recomputed forward of checkpointed blocks, the casts and buffer copies of mixed
+precision and fully_shard (`parameter_copy_seconds`), a pipeline's bubble, the optimizer step
 (AdamW: 40 bytes moved per parameter, clipping included; Muon: its Newton-Schulz matmuls) and
 the collectives: each at its bus bandwidth for its message size. On a GPU data-parallel
 collectives overlap compute (FSDP prefetches, gradients reduce in backward) and only the excess
@@ -32,9 +33,9 @@ from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed
-from plait.plan.memory import (Layout, block_activation_bytes, block_indices, holds_output, local_rows_cols,
-                               latent_gather, masked, parameter_shapes, rank_parameters, stage_blocks,
-                               ulysses_degree, units)
+from plait.plan.memory import (Layout, block_activation_bytes, block_indices, gathered_elements, holds_output,
+                               local_rows_cols, latent_gather, masked, parameter_shapes, rank_parameters,
+                               stage_blocks, ulysses_degree, units)
 
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written
@@ -138,6 +139,37 @@ def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | Non
     return seconds + rest * cal.op_seconds * (not cal.asynchronous)
 
 
+def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: list[int] | None, e: int,
+                           passes: int, cal: Calibration, cores: float) -> float:
+    """The passes over parameters and gradients that mixed precision and fully_shard make beside
+    the model's work, at the calibrated element-wise speed (on a CPU their buffers are fresh
+    memory, like activations: a profiled FSDP2 step of small_moe spent 0.47 s of 2.3 in the
+    reduce-scatter's copy-in alone):
+    - computing in bf16 on one device (`CastUnit`) or under autocast: every parameter cast to
+      bf16 per micro-batch (read 4 bytes, write 2), its gradient cast back (read 2, write 4);
+    - fully_shard (every other layout, degree 1 included): per gather, each unit's shard copied
+      into the gather's buffer in the gather dtype and the gathered unit copied out (read and
+      write); once a step, its gradients copied into the reduce-scatter's buffer in the reduce
+      dtype. The collectives themselves are priced apart."""
+    from plait.precision import DTYPES
+
+    p, t = cfg.parallelism, cfg.training
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
+    grouped = units(rank_parameters(args, cfg, stages))
+    full = {u: gathered_elements(unit, layout) for u, unit in grouped.items()}
+    elements = sum(full.values())
+    autocast = t.mixed_precision_mode == "autocast"
+    one_device = world == 1 and t.mixed_precision_reduce == "float32" and not t.float8.startswith("mxfp8")
+    nbytes = passes * (6 + 6) * elements if e == 2 and (one_device or autocast) else 0.0
+    if not one_device:
+        gather = 4 if autocast else e
+        reduce = DTYPES[t.mixed_precision_reduce].itemsize
+        again = [u for u in grouped if u != "root"][:-1] if stages is None else []  # re-gathered in backward
+        gathers = passes * (elements + sum(full[u] for u in again)) if stages is None else elements
+        nbytes += gathers * ((4 + gather) / layout.shard + 2 * gather) + (e + reduce) * elements
+    return nbytes / cal.elementwise_rate(dtype_name(e), nbytes, cores)
+
+
 def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal: Calibration, cores: float) -> float:
     p = cfg.parallelism
     layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
@@ -205,6 +237,7 @@ def step_time(args: ModelArgs, cfg: JobConfig, world: int, stages: list[int] | N
     compute = passes * micro_batch_seconds(args, cfg, stages, e, cal, cores)
     if stages is not None:  # the bubble: (pp - 1) micro-batch times of each rank's chunk of the model
         compute *= 1 + (p.pp - 1) / (passes * stages_per_rank(cfg))
+    compute += parameter_copy_seconds(args, cfg, world, stages, e, passes, cal, cores)
     params = rank_parameters(args, cfg, stages)
     optimizer = optimizer_seconds(args, cfg, params, e, cal, cores)
     by_dim = collective_seconds(comm, cfg, call_counts(args, cfg, stages, passes), node_size, cal)
