@@ -111,6 +111,7 @@ def check_tokens(cfg: JobConfig, tokens: int) -> None:
                           "mxfp8_wgrad_hp (weight gradients in the compute dtype), none")
 
 
+@functools.cache
 def rank_shapes(args: ModelArgs, tp: int) -> dict[str, tuple[nn.Linear, int, int]]:
     """Every linear layer -> (the module, its weight's rows and columns on a rank): under TP,
     column-wise layers split their outputs, row-wise ones their inputs."""
@@ -127,6 +128,7 @@ def rank_shapes(args: ModelArgs, tp: int) -> dict[str, tuple[nn.Linear, int, int
     return shapes
 
 
+@functools.cache  # (plan asks for every layout it searches; the answer is the shapes')
 def layer_plan(args: ModelArgs, tp: int, recipe: str = "tensorwise") -> dict[str, str]:
     """Every linear layer of the model -> "" if it runs float8, else why not (the shapes that
     count are each rank's)."""

@@ -252,6 +252,32 @@ def test_a_mixture_of_experts_plan_searches_ep_and_counts_its_all_to_alls(capsys
     assert experts["state_gib"] == plain["state_gib"]  # E / (dp_shard x cp) experts' worth either way
 
 
+def test_float8_is_timed_at_the_calibrations_float8_speed_with_its_casts():
+    """Tensorwise float8 multiplies the blocks' linear layers at the float8 speed (twice bf16's on
+    the data sheet) and pays their casts: faster than bf16, by less than 2x. A calibration without
+    a float8 speed times those matmuls as bf16's, so only the casts remain: slower than bf16."""
+    from dataclasses import replace
+
+    from plait.plan.calibration import data_sheet
+    from plait.plan.search import predict_job
+
+    h100 = data_sheet("h100")
+    unmeasured = replace(h100, matmul={k: v for k, v in h100.matmul.items() if k != "float8"})
+
+    def step_seconds(cal, *flags):
+        job = check_options(parse_args(["--model.flavor", "llama3_8b", "--training.seq_len", "8192",
+                                        "--training.global_batch_size", "8", "--parallelism.dp_shard", "8",
+                                        "--activation_checkpoint.mode", "selective", *flags]), 8)
+        return predict_job(plan.model_shape(job), job, 8, 80.0, cal, 8).step_seconds
+
+    bf16, float8 = step_seconds(h100), step_seconds(h100, "--training.float8", "tensorwise")
+    assert 0.5 * bf16 < float8 < 0.95 * bf16
+    assert step_seconds(unmeasured, "--training.float8", "tensorwise") > bf16
+    assert "matmuls at up to 1,385 TFLOP/s" in plan.float8_timing("tensorwise", h100)
+    assert "no float8 speed measured" in plan.float8_timing("tensorwise", unmeasured)
+    assert "no MXFP8 speed measured" in plan.float8_timing("mxfp8", h100)
+
+
 def test_calibrations_and_their_errors(tmp_path, capsys):
     from plait.config import ConfigError
     from plait.plan.calibration import at, data_sheet, here, load

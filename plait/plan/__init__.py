@@ -91,6 +91,15 @@ def model_shape(cfg: JobConfig) -> ModelArgs:
     return hf.job_model(cfg, vocab)
 
 
+def float8_timing(recipe: str, cal: Calibration) -> str:
+    """How plan times a float8 recipe's matmuls with this calibration, for the header."""
+    if recipe.startswith("mxfp8"):
+        return "memory and collectives counted, its matmuls timed as the compute dtype's (no MXFP8 speed measured)"
+    if "float8" not in cal.matmul:
+        return "memory and collectives counted, its matmuls timed as the compute dtype's (no float8 speed measured)"
+    return f"the converted layers' matmuls at up to {cal.peak_of('float8') / 1e12:,.4g} TFLOP/s, their casts counted"
+
+
 def assumptions(base: JobConfig, args: ModelArgs, opts: PlanArgs, cal: Calibration) -> dict:
     """What every row rests on, stated once above them."""
     t = base.training
@@ -104,8 +113,7 @@ def assumptions(base: JobConfig, args: ModelArgs, opts: PlanArgs, cal: Calibrati
                      f"tokens per step, {base.model.attention_mask} attention",
             "precision": f"parameters in {compute} for compute, fp32 master weights, gradients reduced in "
                          f"{'bfloat16' if t.mixed_precision_reduce == 'bfloat16' else 'float32'}, {base.optimizer.name}"
-                         + ("" if t.float8 == "none" else f"; float8 {t.float8}: memory and collectives counted, its "
-                            f"matmuls timed as {compute}'s"),
+                         + ("" if t.float8 == "none" else f"; float8 {t.float8}: {float8_timing(t.float8, cal)}"),
             "device": f"{opts.world} x {cal.device}, {opts.device_memory_gib:g} GiB each, {opts.node_size} per node",
             "speeds": cal.source,
             "collectives": f"{bandwidth(cal.collectives)} within a node, {bandwidth(cal.inter_node)} across nodes; "

@@ -36,7 +36,8 @@ class Calibration:
     source: str
     """where they came from"""
     matmul: dict[str, Curve]
-    """dtype -> (FLOPs of one matmul, FLOP/s) per rank"""
+    """dtype (float32, bfloat16; float8 where the device has `torch._scaled_mm`) -> (FLOPs of one
+    matmul, FLOP/s) per rank"""
     memory: Curve
     """(bytes one element-wise op reads and writes, bytes/s) per rank"""
     op_seconds: float
@@ -67,6 +68,10 @@ class Calibration:
     def rate(self, dtype: str, flops: float, share: float) -> float:
         """FLOP/s of one matmul of `flops` FLOPs on a rank with `share` cores (CPU)."""
         return at(self.matmul[dtype], flops) * self.scale(share)
+
+    def peak_of(self, dtype: str) -> float:
+        """The fastest matmul of `dtype` the calibration holds."""
+        return max(rate for _, rate in self.matmul[dtype])
 
     def bandwidth(self, nbytes: float, share: float) -> float:
         return at(self.memory, nbytes) * self.scale(share)
@@ -103,6 +108,7 @@ DATA_SHEETS = {
     "b200": ("B200", "B200", 8.0, 900.0, 100.0),
 }
 MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.7, 0.8, 0.8
+FLOAT8_SPEEDUP = 2  # dense float8 TFLOP/s over bf16's on every data sheet here (H100 SXM: 1979 / 989.5)
 GPU_OP_SECONDS, GPU_LATENCY = 8e-6, 10e-6
 # gloo between processes of one host, where no doctor measured it: bus bandwidth and latency.
 GLOO_BUSBW, GLOO_LATENCY = 0.5 * GB, 100e-6
@@ -130,10 +136,11 @@ def data_sheet(name: str) -> Calibration:
         return {kind: [(float(2**20), gbps * LINK_EFFICIENCY * GB / 4), (float(2**28), gbps * LINK_EFFICIENCY * GB)]
                 for kind in KINDS}
 
-    return Calibration(device=label, source=f"{label} data sheet: {bf16:g} bf16 / {fp32:g} fp32 TFLOP/s, HBM "
+    return Calibration(device=label, source=f"{label} data sheet: {bf16:g} bf16 / {fp32:g} fp32 / "
+                       f"{FLOAT8_SPEEDUP * bf16:g} float8 TFLOP/s, HBM "
                        f"{hbm:g} TB/s, NVLink {nvlink:g} GB/s, network {network:g} GB/s per GPU; assumed: matmuls "
                        f"{MATMUL_EFFICIENCY:.0%} of peak, memory {MEMORY_EFFICIENCY:.0%}, links {LINK_EFFICIENCY:.0%}",
-                       matmul={"bfloat16": curve(bf16), "float32": curve(fp32)},
+                       matmul={"bfloat16": curve(bf16), "float32": curve(fp32), "float8": curve(FLOAT8_SPEEDUP * bf16)},
                        memory=[(float(2**30), hbm * 1e12 * MEMORY_EFFICIENCY)], op_seconds=GPU_OP_SECONDS,
                        collectives=link(nvlink), inter_node=link(network), latency=GPU_LATENCY, asynchronous=True,
                        peak={"bfloat16": bf16 * 1e12, "float32": fp32 * 1e12})
@@ -174,6 +181,27 @@ def matmul_curve(device: torch.device, dtype: torch.dtype, seconds: float) -> Cu
         def linear():  # (torch.matmul: what the doctor's tests slow down to fake a throttled device)
             torch.matmul(x, w.t()), torch.matmul(g, w), torch.matmul(g.t(), x)
         curve.append((flops, 3 * flops / timed(linear, device, seconds / len(sizes))))
+    return curve
+
+
+def float8_curve(device: torch.device, seconds: float) -> Curve:
+    """(FLOPs, FLOP/s) of a float8 matmul as torchao's tensorwise linear layer calls it
+    (`torch._scaled_mm`: e4m3 operands, one scale each, bf16 out; a CPU dequantises and
+    multiplies in fp32), from small to large; empty where the device has no such kernel."""
+    sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512, 1024)
+    curve: Curve = []
+    one = torch.ones((), device=device)
+    for n in sizes:
+        flops = 2.0 * n**3
+        if curve and flops / max(rate for _, rate in curve) > seconds / len(sizes):
+            break  # (the best rate so far: a CPU's smallest size runs far below its larger ones)
+        a, b = (torch.randn(n, n, device=device).to(torch.float8_e4m3fn) for _ in range(2))
+        try:  # (b column-major, as the kernel wants its second operand)
+            rate = flops / timed(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                 device, seconds / len(sizes))
+        except (RuntimeError, NotImplementedError):  # e.g. a GPU before sm89
+            return []
+        curve.append((flops, rate))
     return curve
 
 
@@ -262,7 +290,9 @@ def cpu_share(threads: int, ranks_here: int, cores: int = 0) -> float:
 def measure_compute(device: torch.device, seconds: float) -> dict:
     """Every compute number of a calibration, measured on this rank (for `plait doctor --json`)."""
     dtypes = (torch.float32, torch.bfloat16)
-    matmul = {str(d).removeprefix("torch."): matmul_curve(device, d, seconds * 0.35) for d in dtypes}
+    matmul = {str(d).removeprefix("torch."): matmul_curve(device, d, seconds * 0.3) for d in dtypes}
+    if eight := float8_curve(device, seconds * 0.1):
+        matmul["float8"] = eight
     return {"matmul": matmul, "memory": memory_curve(device, seconds * 0.2),
             "op_seconds": operator_seconds(device, seconds * 0.1),
             "cpu_share": 0.0 if device.type == "cuda" else float(torch.get_num_threads()),

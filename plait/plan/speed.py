@@ -21,12 +21,14 @@ overlaps: the collectives run on the cores that compute.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
 
+from plait import float8
 from plait.config import JobConfig
 from plait.models.attention import query_block
 from plait.models.flavors import ModelArgs
@@ -34,8 +36,8 @@ from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed
 from plait.plan.memory import (Layout, block_activation_bytes, block_indices, gathered_elements, holds_output,
-                               local_rows_cols, latent_gather, masked, parameter_shapes, rank_parameters,
-                               stage_blocks, ulysses_degree, units)
+                               local_rows_cols, latent_gather, masked, parameter_shapes, plan_name,
+                               rank_parameters, stage_blocks, ulysses_degree, units)
 
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written
@@ -60,21 +62,40 @@ def share(cfg: JobConfig, world: int, node_size: int, cal: Calibration) -> float
 
 
 def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool,
-                  latent_cp: int = 1) -> list[float]:
-    """The FLOPs of each matmul of one block's forward on a rank (backward runs two of each), for
-    `tokens` of sequences of `seq_len` (their keys); latent attention's wkv_b on `latent_cp` x
-    `tokens` (the whole sequence's latents under cp_gather latent)."""
+                  latent_cp: int = 1) -> list[tuple[float, str]]:
+    """(FLOPs, weight name) of each matmul of one block's forward on a rank (backward runs two of
+    each; attention's have no weight: ""), for `tokens` of sequences of `seq_len` (their keys);
+    latent attention's wkv_b on `latent_cp` x `tokens` (the whole sequence's latents under
+    cp_gather latent)."""
     calls = []
     layout = Layout(1, 1, 1, tp, 1)
     for name, shape in parameter_shapes(args).items():
         if not name.startswith(f"layers.{block}.") or len(shape) < 2 or ".experts.b" in name:
             continue  # norms and biases (the experts' too) are element-wise
         if len(shape) == 3:  # experts (E, out, in): each token's top_k copies, spread evenly
-            calls += [2.0 * tokens * args.top_k / shape[0] * shape[1] * shape[2]] * shape[0]
+            calls += [(2.0 * tokens * args.top_k / shape[0] * shape[1] * shape[2], name)] * shape[0]
         else:
             rows, cols = local_rows_cols(name, shape, layout)
-            calls.append(2.0 * tokens * rows * cols * (latent_cp if name.endswith("attention.wkv_b.weight") else 1))
-    return calls + attention_matmuls(args, block, tokens, seq_len, tp, causal)
+            calls.append((2.0 * tokens * rows * cols * (latent_cp if name.endswith("attention.wkv_b.weight") else 1),
+                          name))
+    return calls + [(flops, "") for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal)]
+
+
+@functools.cache
+def float8_weights(args: ModelArgs, recipe: str, tp: int) -> frozenset[str]:
+    """The weights whose linear layers multiply in float8 (tensorwise, rowwise); MXFP8's kernels
+    (sm100) are timed in the compute dtype: no calibration measures them yet."""
+    if recipe == "none" or float8.microscaling(recipe):
+        return frozenset()
+    return frozenset(plan_name(f"{name}.weight", args)
+                     for name, why in float8.layer_plan(args, tp, recipe).items() if not why)
+
+
+def quantised_elements(args: ModelArgs, weight: str, tokens: int, tp: int) -> int:
+    """Elements a float8 linear layer casts per forward and backward: its input, its weight and
+    its output's gradient."""
+    rows, cols = local_rows_cols(weight, parameter_shapes(args)[weight], Layout(1, 1, 1, tp, 1))
+    return tokens * cols + rows * cols + tokens * rows
 
 
 def attention_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
@@ -91,21 +112,31 @@ def attention_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp
 
 def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int, cal: Calibration, cores: float,
                   tp: int = 1, cp: int = 1, causal: bool = True, is_masked: bool = False,
-                  recompute: bool = False, heads_split: int = 1, latent_gather: bool = False) -> float:
+                  recompute: bool = False, heads_split: int = 1, latent_gather: bool = False,
+                  eight: frozenset[str] = frozenset()) -> float:
     """One block's forward and backward (and a recomputed forward) on a rank: matmuls at their
     size's speed, element-wise work at the calibrated element-wise speed, the host's operators.
-    Under a mask attention's forward runs again in backward (its query blocks are checkpointed)."""
+    Under a mask attention's forward runs again in backward (its query blocks are checkpointed).
+    The linear layers of `eight` multiply at the calibration's float8 speed (else the compute
+    dtype's) and cast their operands: each element read twice (its scale's amax, the cast),
+    written once in float8, and its transposed copy for backward written and read (2e + 3 bytes)."""
     dtype = dtype_name(e)
     passes = 3 + recompute
-    matmuls = sum(passes * flops / cal.rate(dtype, flops, cores)
-                  for flops in block_matmuls(args, block, tokens, seq_len, tp, causal, cp if latent_gather else 1))
+    matmuls, quantised = 0.0, 0
+    for flops, weight in block_matmuls(args, block, tokens, seq_len, tp, causal, cp if latent_gather else 1):
+        if weight in eight:
+            kind = "float8" if "float8" in cal.matmul else dtype
+            matmuls += passes * flops / cal.rate(kind, flops, cores)
+            quantised += quantised_elements(args, weight, tokens, tp)
+        else:
+            matmuls += passes * flops / cal.rate(dtype, flops, cores)
     if is_masked:
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
                        for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal))
     saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split,
                                    latent_gather=latent_gather)
-    elementwise = ELEMENTWISE_PASSES * (1 + recompute / 3) * saved / cal.elementwise_rate(dtype, tokens * args.dim * e,
-                                                                                          cores)
+    moved = ELEMENTWISE_PASSES * saved + (2 * e + 3) * quantised
+    elementwise = (1 + recompute / 3) * moved / cal.elementwise_rate(dtype, tokens * args.dim * e, cores)
     dense, sparse, _ = operator_counts(args)
     host = (sparse if args.sparse(block) else dense) * (1 + recompute / 3) * cal.op_seconds
     return max(matmuls + elementwise, host) if cal.asynchronous else matmuls + elementwise + host
@@ -124,11 +155,12 @@ def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | Non
     ac = cfg.activation_checkpoint
     recomputed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) if ac.mode == "full" else set()
     causal = cfg.model.attention_mask == "causal" and not masked(cfg)
+    eight = float8_weights(args, cfg.training.float8, p.tp)
     kinds = Counter((args.sparse(b), b in recomputed, args.window(b)) for b in blocks)  # one kind, one cost
     representative = {(args.sparse(b), b in recomputed, args.window(b)): b for b in blocks}
     seconds = sum(n * block_seconds(args, representative[kind], tokens, t.seq_len, e, cal, cores, p.tp, p.cp, causal,
                                     masked(cfg, args.own_mask(representative[kind])), kind[1], ulysses_degree(cfg),
-                                    latent_gather(cfg))
+                                    latent_gather(cfg), eight)
                   for kind, n in kinds.items())
     if holds_output(args, params):  # the output layer's matmuls, the logits and the loss's fp32 log-softmax
         flops = 2.0 * tokens * args.dim * args.vocab_size / p.tp

@@ -53,10 +53,11 @@ DENSE_TWINS = {"small_moe": "small_moe_dense"}
 ATTENTION_TWINS = {"small_mla": "small_mla_gqa"}
 # The raw loops (plait/proof/baseline.py): row -> the loop's own options.
 RAW = {"raw_pytorch": [], "transformers": ["--model", "transformers"], "raw_fsdp2": []}
-# Rows plait plan predicts (it models fully_shard, eager, without float8: not the raw loops, classic DDP,
-# SimpleFSDP, compiled or float8 rows).
+# Rows plait plan predicts (it models fully_shard, eager, float8 tensorwise: not the raw loops, classic DDP,
+# SimpleFSDP, compiled, rowwise or MXFP8 rows).
 PREDICTED = ("single", "ddp", "fsdp2", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "pp",
-             "pp_fsdp2", "cp", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon")
+             "pp_fsdp2", "cp", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon",
+             "single_float8", "fsdp2_float8")
 # Rows `--compile` measures compiled as well (each block compiled, in plait and in the loops alike).
 COMPILABLE = ("raw_pytorch", "transformers", "single", "raw_fsdp2", "fsdp2")
 
