@@ -183,8 +183,6 @@ def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: 
       into the gather's buffer in the gather dtype and the gathered unit copied out (read and
       write); once a step, its gradients copied into the reduce-scatter's buffer in the reduce
       dtype. The collectives themselves are priced apart."""
-    from plait.precision import DTYPES
-
     p, t = cfg.parallelism, cfg.training
     layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
     grouped = units(rank_parameters(args, cfg, stages))
@@ -195,7 +193,7 @@ def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: 
     nbytes = passes * (6 + 6) * elements if e == 2 and (one_device or autocast) else 0.0
     if not one_device:
         gather = 4 if autocast else e
-        reduce = DTYPES[t.mixed_precision_reduce].itemsize
+        reduce = 2 if t.mixed_precision_reduce == "bfloat16" else 4
         again = [u for u in grouped if u != "root"][:-1] if stages is None else []  # re-gathered in backward
         gathers = passes * (elements + sum(full[u] for u in again)) if stages is None else elements
         nbytes += gathers * ((4 + gather) / layout.shard + 2 * gather) + (e + reduce) * elements
