@@ -93,10 +93,10 @@ def model_shape(cfg: JobConfig) -> ModelArgs:
 
 def float8_timing(recipe: str, cal: Calibration) -> str:
     """How plan times a float8 recipe's matmuls with this calibration, for the header."""
-    if recipe.startswith("mxfp8"):
-        return "memory and collectives counted, its matmuls timed as the compute dtype's (no MXFP8 speed measured)"
-    if "float8" not in cal.matmul:
-        return "memory and collectives counted, its matmuls timed as the compute dtype's (no float8 speed measured)"
+    unmeasured = "MXFP8" if recipe.startswith("mxfp8") else "" if "float8" in cal.matmul else "float8"
+    if unmeasured:
+        return f"memory and collectives counted, its matmuls timed as the compute dtype's (no {unmeasured} speed " \
+               "measured)"
     return f"the converted layers' matmuls at up to {cal.peak_of('float8') / 1e12:,.4g} TFLOP/s, their casts counted"
 
 

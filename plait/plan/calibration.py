@@ -165,44 +165,44 @@ def timed(run, device: torch.device, seconds: float, at_least: int = 2) -> float
     return best
 
 
-def matmul_curve(device: torch.device, dtype: torch.dtype, seconds: float) -> Curve:
-    """(FLOPs of one matmul, FLOP/s) of a square linear layer's three matmuls (forward, input and
-    weight gradients: the transposed forms training runs), from small to large, each size within
-    its share of `seconds`; a size one repeat of which would not fit (bf16 emulated on a CPU) is
-    left out."""
+def square_curve(device: torch.device, seconds: float, matmuls: int, make) -> Curve:
+    """(FLOPs of one n x n x n matmul, FLOP/s) from small to large, each size within its share of
+    `seconds`: `make(n)` returns a call that runs `matmuls` of them. A size one call of which would
+    not fit at the best rate so far (bf16 emulated on a CPU) is left out."""
     sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512, 1024)
     curve: Curve = []
     for n in sizes:
         flops = 2.0 * n**3
-        if curve and 3 * flops / curve[-1][1] > seconds / len(sizes):
-            break
-        x, w, g = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
-
-        def linear():  # (torch.matmul: what the doctor's tests slow down to fake a throttled device)
-            torch.matmul(x, w.t()), torch.matmul(g, w), torch.matmul(g.t(), x)
-        curve.append((flops, 3 * flops / timed(linear, device, seconds / len(sizes))))
+        if curve and matmuls * flops / max(rate for _, rate in curve) > seconds / len(sizes):
+            break  # (the best rate so far: a CPU's smallest float8 size runs far below its larger ones)
+        curve.append((flops, matmuls * flops / timed(make(n), device, seconds / len(sizes))))
     return curve
+
+
+def matmul_curve(device: torch.device, dtype: torch.dtype, seconds: float) -> Curve:
+    """A square linear layer's three matmuls (forward, input and weight gradients: the transposed
+    forms training runs) in `dtype`."""
+    def linear(n: int):
+        x, w, g = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
+        # (torch.matmul: what the doctor's tests slow down to fake a throttled device)
+        return lambda: (torch.matmul(x, w.t()), torch.matmul(g, w), torch.matmul(g.t(), x))
+    return square_curve(device, seconds, 3, linear)
 
 
 def float8_curve(device: torch.device, seconds: float) -> Curve:
-    """(FLOPs, FLOP/s) of a float8 matmul as torchao's tensorwise linear layer calls it
-    (`torch._scaled_mm`: e4m3 operands, one scale each, bf16 out; a CPU dequantises and
-    multiplies in fp32), from small to large; empty where the device has no such kernel."""
-    sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512, 1024)
-    curve: Curve = []
+    """A float8 matmul as torchao's tensorwise linear layer calls it (`torch._scaled_mm`: e4m3
+    operands, one scale each, bf16 out; a CPU dequantises and multiplies in fp32); empty where
+    the device has no such kernel."""
     one = torch.ones((), device=device)
-    for n in sizes:
-        flops = 2.0 * n**3
-        if curve and flops / max(rate for _, rate in curve) > seconds / len(sizes):
-            break  # (the best rate so far: a CPU's smallest size runs far below its larger ones)
+
+    def scaled(n: int):
         a, b = (torch.randn(n, n, device=device).to(torch.float8_e4m3fn) for _ in range(2))
-        try:  # (b column-major, as the kernel wants its second operand)
-            rate = flops / timed(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                                 device, seconds / len(sizes))
-        except (RuntimeError, NotImplementedError):  # e.g. a GPU before sm89
-            return []
-        curve.append((flops, rate))
-    return curve
+        # (b column-major, as the kernel wants its second operand)
+        return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    try:
+        return square_curve(device, seconds, 1, scaled)
+    except (RuntimeError, NotImplementedError):  # e.g. a GPU before sm89
+        return []
 
 
 def memory_curve(device: torch.device, seconds: float) -> Curve:

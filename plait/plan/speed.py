@@ -124,12 +124,9 @@ def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int
     passes = 3 + recompute
     matmuls, quantised = 0.0, 0
     for flops, weight in block_matmuls(args, block, tokens, seq_len, tp, causal, cp if latent_gather else 1):
-        if weight in eight:
-            kind = "float8" if "float8" in cal.matmul else dtype
-            matmuls += passes * flops / cal.rate(kind, flops, cores)
-            quantised += quantised_elements(args, weight, tokens, tp)
-        else:
-            matmuls += passes * flops / cal.rate(dtype, flops, cores)
+        converted = weight in eight
+        matmuls += passes * flops / cal.rate("float8" if converted and "float8" in cal.matmul else dtype, flops, cores)
+        quantised += quantised_elements(args, weight, tokens, tp) if converted else 0
     if is_masked:
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
                        for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal))
@@ -189,7 +186,7 @@ def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: 
     full = {u: gathered_elements(unit, layout) for u, unit in grouped.items()}
     elements = sum(full.values())
     autocast = t.mixed_precision_mode == "autocast"
-    one_device = world == 1 and t.mixed_precision_reduce == "float32" and not t.float8.startswith("mxfp8")
+    one_device = world == 1 and t.mixed_precision_reduce == "float32" and not float8.microscaling(t.float8)
     nbytes = passes * (6 + 6) * elements if e == 2 and (one_device or autocast) else 0.0
     if not one_device:
         gather = 4 if autocast else e
