@@ -129,7 +129,10 @@ def expert_metrics(rows: list[dict]) -> list[tuple]:
 def assert_same_expert_metrics(rows: list[dict], reference: list[dict], rel: float):
     got, want = expert_metrics(rows), expert_metrics(reference)
     assert [g[:2] for g in got] == [w[:2] for w in want], (got, want)
-    assert [g[2] for g in got] == pytest.approx([w[2] for w in want], rel=rel), (got, want)
+    # The aux loss where the router has one (None for sigmoid routers): pytest >= 9.2's approx refuses None.
+    assert [g[2] is None for g in got] == [w[2] is None for w in want], (got, want)
+    assert [g[2] for g in got if g[2] is not None] == pytest.approx([w[2] for w in want if w[2] is not None],
+                                                                   rel=rel), (got, want)
 
 
 @pytest.mark.parametrize("name", ["pp_moe", "pp_moe_sigmoid", "pp_ep2_moe"])
