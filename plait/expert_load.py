@@ -25,7 +25,9 @@ class ExpertLoad:
         if args.router != "softmax":  # a sigmoid router's loss is DeepSeek-V3's sequence-wise one, or none
             coefficient = sequence_coefficient
         self.enabled, self.aux = bool(args.n_experts), args.router == "softmax" or coefficient > 0
-        n_moe = args.sparse_blocks
+        # every MoE layer the coefficient's mean is over: multi-token prediction's block is one where
+        # the model's blocks are (its routing is balanced as theirs, and aux_loss logs its records too)
+        n_moe = sum(map(args.sparse, range(args.n_layers + args.mtp_layers)))
         # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/models/moe.py: aux_loss)
         self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group
         for layer in self.layers:

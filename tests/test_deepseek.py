@@ -146,6 +146,50 @@ def test_the_sequence_wise_balance_loss_and_its_gradient_equal_a_per_sequence_re
     assert 1 <= measured < 2  # (near balance: 1)
 
 
+def test_the_balance_loss_coefficient_weighs_the_mean_over_every_moe_layer_the_mtp_block_s_included():
+    """training.moe_sequence_aux_coef c weighs the mean over MoE layers of their balance losses
+    (config.py, docs/moe.md), and the MTP block's MoE is one of those layers (a block like the
+    others: its routing is balanced as theirs; the logged aux_loss averages its records too), so
+    the scales the trainer sets (ExpertLoad, FurtherTokens) give the gradient of loss +
+    mtp_loss_weight x MTP loss + c x mean over all L MoE layers, L = 2 on debug_mla (block 1 and
+    the MTP block). Issue 60 item 12: ExpertLoad divided by the main blocks' MoE layers (1) only,
+    so c weighed their sum: (L / (L - 1)) c. The reference forwards the same model with no scale
+    set and adds c x the mean of each layer's loss from its own routing: equal to the bit (the same
+    ops in the same order; each loss's gradient is c / L = 0.25 exactly on both sides), as is the
+    logged mean."""
+    from plait.expert_load import ExpertLoad, FurtherTokens
+    from plait.models.moe import moe_layers
+
+    torch.manual_seed(0)
+    model, c, weight = mtp_model(), 0.5, 0.3
+    layers = moe_layers(model)
+    assert len(layers) == 2 and model.args.sparse_blocks == 1  # the MTP block's MoE is the second
+    tokens = torch.randint(0, 320, (2, 24))
+    labels = torch.randint(0, 320, (2, 24))
+    further = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ExpertLoad(model, model.args, 1, 0.0, 0.0, None, None, sequence_coefficient=c)  # one forward per step
+    FurtherTokens(model, model.args, 1, weight, torch.device("cpu"), None)
+    cross_entropy(model(tokens, next_tokens=(labels, further)), labels).backward()
+    trained = {name: param.grad.clone() for name, param in model.named_parameters()}
+    logged = [aux for layer in layers for _, aux in layer.records]
+
+    model.zero_grad()
+    owner, routed = {id(layer.router): layer for layer in layers}, []
+    for layer in layers:
+        layer.aux_scale = 0.0
+        layer.router.register_forward_hook(lambda router, args, out: routed.append((owner[id(router)], out)))
+    loss = cross_entropy(model(tokens, next_tokens=(labels, further)), labels)  # (the MTP loss weighted as above)
+    assert len(routed) == 2
+    mean = sum(layer.sequence_aux_loss(experts, scores, 2) for layer, (scores, experts, _) in routed) / 2
+    (loss + c * mean).backward()
+    assert torch.equal(sum(logged) / len(logged), mean.detach())  # what aux_loss logs (ExpertLoad.step)
+    worst = max(((trained[name] - param.grad).abs().max() / param.grad.abs().max()).item()
+                for name, param in model.named_parameters() if param.grad.abs().max() > 0)
+    print(f"gradients vs c x the mean over {len(layers)} MoE layers: {worst:.2e} (relative)")
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(trained[name], param.grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name.endswith("_mla") and not name.startswith("single")])
 def test_every_layout_logs_the_losses_and_gradient_norm_of_the_single_device(train_once, name):

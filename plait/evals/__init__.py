@@ -143,7 +143,10 @@ class TaskSuite:
 
 
 def model_forward(model, pipeline, contexts, layout, groups: Groups):
-    """`forward(inputs, labels)` for TaskSuite.evaluate in this run's layout."""
+    """`forward(inputs, labels)` for TaskSuite.evaluate in this run's layout, under the causal
+    mask whatever the training's: a request is one text, as `plait eval` scores it (under the
+    document mask an end-of-text token in a context would restart attention and RoPE there)."""
+    layout = layout.causal()
 
     def forward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         inputs, labels, attention = layout(inputs, labels)

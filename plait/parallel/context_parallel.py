@@ -36,6 +36,7 @@ keys, as DeepSpeed and torchtitan do.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -147,6 +148,14 @@ class BatchLayout:
                  windows: tuple[int, ...] = (0,), predicts_further: bool = False):
         self.document, self.kernel, self.eos, self.rank, self.cp = mask == "document", kernel, eos, cp_rank, cp
         self.whole_sequences, self.windows, self.predicts_further = whole_sequences, windows, predicts_further
+
+    def causal(self) -> BatchLayout:
+        """This layout under the causal mask (cp's split and kernel unchanged): for evaluation
+        requests, each one text scored as `plait eval` and lm-evaluation-harness score it, an
+        end-of-text token in a context restarting neither attention nor RoPE positions."""
+        plain = copy.copy(self)
+        plain.document = False
+        return plain
 
     def flex_masks(self, documents: torch.Tensor, queries: torch.Tensor):
         if self.windows == (0,):
