@@ -7,9 +7,11 @@ them once before it launches, so a mistake prints one line instead of one per ra
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
-from plait.config import ConfigError, JobConfig, dp_degree, hf_folder, job_tokenizer
+from plait.checkpoint.manifest import checkpoint_in
+from plait.config import ConfigError, JobConfig, dp_degree, job_tokenizer, start_folder
 from plait.data.mixture import mix_sources
 from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
@@ -50,8 +52,10 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     Runs identically on every rank, so every rank raises the same error before any collective.
     """
     p, t = cfg.parallelism, cfg.training
-    hf_start = hf_folder(cfg)
-    if cfg.model.flavor == "auto" and hf_start is None:
+    if cfg.checkpoint.load:  # a job folder means its newest checkpoint, whose model the run is (plait/job_model.py)
+        launcher = "RANK" not in os.environ and world > 1  # (its ranks say it; once is enough)
+        cfg.checkpoint.load = str(checkpoint_in(Path(cfg.checkpoint.load), "checkpoint.load", say=not launcher))
+    if cfg.model.flavor == "auto" and start_folder(cfg) is None:
         cfg.model.flavor = "debug"
     cfg.data.tokenizer = job_tokenizer(cfg)
     for name in ("dp_replicate", "tp", "pp", "cp", "ep"):

@@ -131,45 +131,60 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int, subcommand: str
                f"--max-restarts={max_restarts}", f"--signals-to-handle={','.join(sig.name for sig in signals)}",
                "-m", "plait", subcommand, *worker_argv]
     with tempfile.TemporaryDirectory(prefix="plait-exit-") as codes:
-        job = subprocess.Popen(command, env={**os.environ, EXIT_CODES: codes})
-        signum = _wait_forwarding_signals(job, signals)
+        torchrun, signum = _run_forwarding_signals(command, {**os.environ, EXIT_CODES: codes}, signals)
         attempts: dict[int, list[int]] = {}
         for path in Path(codes).iterdir():
             attempts.setdefault(int(path.name.split("-")[0]), []).append(int(path.read_text()))
-    return exit_code(job.returncode, signum, attempts[max(attempts)] if attempts else [], nproc)
+    return exit_code(torchrun, signum, attempts[max(attempts)] if attempts else [], nproc)
 
 
-def _wait_forwarding_signals(job: subprocess.Popen, signals: tuple[int, ...]) -> int:
-    """Wait for torchrun and for the workers it had; a stopping signal meanwhile goes to its
-    agent, which forwards it to the workers and, shutting down, never restarts them (a container
-    runtime signals only this process, a closed terminal sends SIGHUP to it; repeats change
-    nothing). A second Ctrl-C kills the job at once, as it ends one process. Returns the signal
-    (SIGINT after a second Ctrl-C), or 0."""
+def _run_forwarding_signals(command: list[str], env: dict, signals: tuple[int, ...]) -> tuple[int, int]:
+    """Run torchrun and wait for it and for the workers it had; a stopping signal meanwhile goes
+    to its agent, which forwards it to the workers and, shutting down, never restarts them (a
+    container runtime signals only this process, a closed terminal sends SIGHUP to it; repeats
+    change nothing). A second Ctrl-C kills the job at once, as it ends one process. The agent
+    runs in a session of its own, as its workers do: a terminal's Ctrl-C reaches it only from
+    here, after this process has counted it, so a second Ctrl-C is never taken for a first one
+    (both could reach this process before it had run its handler once). The handlers are in
+    place before the agent starts: a signal while it starts is passed on as soon as it has (one
+    before, and it never starts). Returns (torchrun's exit code, the signal: SIGINT after a
+    second Ctrl-C, or 0)."""
     received: list[int] = []
     workers: list[int] = []
+    job: list[subprocess.Popen] = []  # once started
 
-    def forward(signum, frame):
-        received.append(signum)
-        if len(received) == 1:
-            workers.extend(descendants(job.pid))
+    def act(n: int) -> None:
+        """What the n-th signal received does to the started job."""
+        signum, agent = received[n], job[0].pid
+        if n == 0:
+            workers.extend(descendants(agent))
             with contextlib.suppress(ProcessLookupError):
-                os.kill(job.pid, signum)
-        elif signum == signal.SIGINT and received.count(signal.SIGINT) == 2:
-            for pid in [job.pid, *workers, *descendants(job.pid)]:  # the agent first: it sees no worker die
+                os.kill(agent, signum)
+        elif signum == signal.SIGINT and received[:n + 1].count(signal.SIGINT) == 2:
+            for pid in [agent, *workers, *descendants(agent)]:  # the agent first: it sees no worker die
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
+    def forward(signum, frame):
+        received.append(signum)
+        if job:
+            act(len(received) - 1)
+
     previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
-        job.wait()
-        # torchrun can return while its workers still save (a repeated signal ends its wait
-        # early): the job ends when its last worker does.
-        while any(alive(pid) for pid in workers):
-            time.sleep(0.1)
+        if not received:
+            job.append(subprocess.Popen(command, env=env, start_new_session=True))
+            for n in range(len(received)):  # (those that came while it started; a repeat changes nothing)
+                act(n)
+            job[0].wait()
+            # torchrun can return while its workers still save (a repeated signal ends its wait
+            # early): the job ends when its last worker does.
+            while any(alive(pid) for pid in workers):
+                time.sleep(0.1)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return signal.SIGINT if received.count(signal.SIGINT) > 1 else (received or [0])[0]
+    return job[0].returncode if job else 0, signal.SIGINT if received.count(signal.SIGINT) > 1 else (received or [0])[0]
 
 
 def exit_code(torchrun: int, signum: int, reported: list[int], nproc: int) -> int:
@@ -282,12 +297,12 @@ def seed_checkpoint(argv: list[str]) -> int:
     if not cfg.out:
         raise ConfigError("out: plait seed-checkpoint needs --out DIR")
     out = Path(cfg.out)
-    from plait import hf
     from plait.checkpoint.checkpointer import write_seed_checkpoint
     from plait.data import build_tokenizer
+    from plait.job_model import job_model
 
     tokenizer = build_tokenizer(cfg.data)
-    args = hf.job_model(cfg, tokenizer.get_vocab_size())
+    args = job_model(cfg, tokenizer.get_vocab_size())
     write_seed_checkpoint(cfg, args, out, tokenizer)
     print(f"plait: seed checkpoint of {cfg.model.flavor.replace('auto', 'debug')} (seed {cfg.training.seed}) written to {out}")
     return 0

@@ -112,11 +112,11 @@ class Training:
     dtype); master weights, attention, norms and the output layer stay as above"""
     moe_aux_loss_coef: float = 0.001
     """mixtures of experts with a softmax router: weight of the load-balancing loss (Switch Transformer's, the
-    mean over MoE layers) added to the gradient; 0 = none (it is logged either way)"""
+    mean over MoE layers, the MTP block's included) added to the gradient; 0 = none (it is logged either way)"""
     moe_sequence_aux_coef: float = 0.0
     """mixtures of experts with a sigmoid router: weight of DeepSeek-V3's sequence-wise balance loss (the mean over
-    MoE layers; DeepSeek-V3 trained with 0.0001) added to the gradient, logged as aux_loss (1 when balanced);
-    0 = none: the router bias balances alone"""
+    MoE layers, the MTP block's included; DeepSeek-V3 trained with 0.0001) added to the gradient, logged as
+    aux_loss (1 when balanced); 0 = none: the router bias balances alone"""
     mtp_loss_weight: float = 0.3
     """models with multi-token prediction (model.mtp_layers): the weight of its loss, added to the gradient
     (DeepSeek-V3's 0.3, lowered to 0.1 for its last 4.8T tokens); logged as mtp_loss either way"""
@@ -280,11 +280,12 @@ class FaultTolerance:
     replica_id: int = 0
     """this group's index in [0, groups); `plait train --nproc N` with fault_tolerance.enable starts them all"""
     min_replicas: int = 1
-    """a step commits only where at least this many groups take part in it"""
+    """a step commits only where at least this many groups take part in it (a group's first step waits for
+    every group, up to quorum_timeout_seconds, so a job that starts or restarts starts together)"""
     lighthouse: str = ""
     """torchft lighthouse (http://HOST:PORT) the groups meet at; empty = $TORCHFT_LIGHTHOUSE"""
     quorum_timeout_seconds: int = 60
-    """how long a step waits for the groups to agree who takes part"""
+    """how long a step waits for the groups to agree who takes part (a group's first step: for every group)"""
 
 
 @dataclass
@@ -362,19 +363,25 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+CHECKPOINT_MANIFEST = "plait.json"  # written last: a folder that has it is a complete plait checkpoint
+
+
+def start_folder(cfg: JobConfig) -> Path | None:
+    """checkpoint.load when it holds a model: a Hugging Face folder or a plait checkpoint (plait/job_model.py)."""
+    load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    return load if load and any((load / name).is_file() for name in ("config.json", CHECKPOINT_MANIFEST)) else None
+
+
 def hf_folder(cfg: JobConfig) -> Path | None:
     """checkpoint.load when it is a Hugging Face folder (its config.json gives the model)."""
-    load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-    return load if load is not None and (load / "config.json").is_file() else None
+    return folder if (folder := start_folder(cfg)) and (folder / "config.json").is_file() else None
 
 
 def job_tokenizer(cfg: JobConfig) -> str:
-    """data.tokenizer, else the tokenizer.json of a Hugging Face folder given as checkpoint.load
-    (its embeddings are that tokenizer's); empty: a BPE is trained on the corpus."""
-    folder = hf_folder(cfg)
-    if not cfg.data.tokenizer and folder is not None and (folder / "tokenizer.json").is_file():
-        return str(folder / "tokenizer.json")
-    return cfg.data.tokenizer
+    """data.tokenizer, else the tokenizer.json of the folder checkpoint.load starts from (its
+    embeddings are that tokenizer's); empty: a BPE is trained on the corpus."""
+    own = folder / "tokenizer.json" if (folder := start_folder(cfg)) else None
+    return cfg.data.tokenizer or (str(own) if own and own.is_file() else "")
 
 
 def replica_groups(cfg: JobConfig) -> int:

@@ -19,13 +19,12 @@ from tokenizers import Tokenizer
 
 from plait import hf
 from plait.arguments import parse
-from plait.checkpoint.manifest import check_compatible, checkpoint_in, read_manifest
+from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, read_manifest
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
 from plait.data import eos_id
 from plait.hf.tokenizer import TOKENIZER
 from plait.models.attention import KVCache
-from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.models.weights import fill_weights
 
@@ -68,7 +67,7 @@ def load(folder: Path) -> tuple[Transformer, Tokenizer]:
         if manifest is None:
             raise ConfigError(f"checkpoint: {folder} is neither a plait checkpoint (plait.json) nor a Hugging Face "
                               "folder (config.json)")
-        args = ModelArgs(**manifest["model_args"])
+        args = manifest_model(manifest, folder, "checkpoint")
         check_compatible(folder, args, "checkpoint")
         model = Transformer(args)
         model.load_state_dict(load_full_state_dict(folder, args, "checkpoint"))

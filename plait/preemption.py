@@ -63,5 +63,9 @@ class Preemption:
         return int(self.flag.item())
 
     def close(self) -> None:
+        """The handlers as they were, SIGINT's too unless a first Ctrl-C came: a second one while
+        the run closes still ends it at once (a KeyboardInterrupt there printed that nothing was
+        saved, after the step's save)."""
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_DFL):
+                signal.signal(sig, handler)

@@ -1,12 +1,24 @@
 """torchrun's agent as `plait train --nproc` runs it: a signal that stops the job ends the agent
 with 128 + the signal's number instead of SignalException's traceback (its workers, which it
-has already told to stop, say what happened)."""
+has already told to stop, say what happened). One that comes while the agent starts (Python's
+start-up, torch's import: seconds, more on a busy machine) ends it at once with that code: it
+has started no worker yet (a Ctrl-C there was a KeyboardInterrupt traceback)."""
 
+import os
+import signal
 import sys
 
-import torch.distributed.elastic.multiprocessing.api as elastic
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.run import main
+if __name__ == "__main__":
+    # the signals it is told to handle (--signals-to-handle=..., as plait's launcher passes them;
+    # one this process was started ignoring is not among them)
+    HANDLED = [getattr(signal, name) for arg in sys.argv[1:] if arg.startswith("--signals-to-handle=")
+               for name in arg.split("=", 1)[1].split(",") if name]
+    for sig in HANDLED:
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+
+import torch.distributed.elastic.multiprocessing.api as elastic  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.run import main  # noqa: E402
 
 raise_signal_exception = elastic._terminate_process_handler
 stopping: list[int] = []
@@ -24,6 +36,8 @@ def stop_once(signum, frame) -> None:
 
 if __name__ == "__main__":
     elastic._terminate_process_handler = stop_once  # looked up when the agent registers its handlers
+    for sig in HANDLED:  # from here until it does (its rendezvous, say): the agent shuts down what it started
+        signal.signal(sig, stop_once)
     try:
         main()
     except SignalException as e:

@@ -22,21 +22,21 @@ from torch.distributed.tensor import DTensor
 
 from plait import float8, hf, host_memory, parallel
 from plait.checkpoint.checkpointer import Checkpointer
-from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, checkpoint_in,
-                                      job_identity, latest_complete)
+from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, job_identity,
+                                      latest_complete)
 from plait.checks import check_options
-from plait.config import (ConfigError, JobConfig, dp_degree, grad_accumulation_steps, hf_folder, replica_groups,
+from plait.config import (ConfigError, JobConfig, dp_degree, grad_accumulation_steps, replica_groups, start_folder,
                           world_size)
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, open_loss_sets
 from plait.expert_load import ExpertLoad, FurtherTokens
 from plait.hardware import linear_shapes, peak_flops, pick_device
-from plait.hyperparameters import hf_start_lines
+from plait.job_model import job_model
 from plait.metrics import summary
 from plait.metrics.logger import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
 from plait.metrics.wandb_log import wandb_sinks
 from plait.models.masking import attention_kernel
-from plait.models.transformer import Transformer, cross_entropy, flops_per_token, linear_weight_shapes, num_params
+from plait.models.transformer import cross_entropy, flops_per_token, linear_weight_shapes
 from plait.optim import optimizers
 from plait.optim.clipping import clip_and_norm
 from plait.optim.schedule import factor
@@ -50,6 +50,7 @@ from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
+from plait.start_report import print_start_report
 
 
 class TrainingError(RuntimeError):
@@ -133,16 +134,14 @@ def save_probe(probe: DtypeProbe, path: str, every_rank: bool) -> None:
 
 def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
     """What start-up would load must fit this model, and the folder it saves to must be this
-    job's: checked before any process group. A job folder given as checkpoint.load becomes its
-    newest complete checkpoint."""
+    job's: checked before any process group."""
     check_owner(cfg.checkpoint.folder, identity)
     resume = latest_complete(cfg.checkpoint.folder)
     if resume is not None:
         check_compatible(resume, args, "checkpoint.folder")
         check_optimizer_kept(resume, cfg)
     elif cfg.checkpoint.load:
-        folder = checkpoint_in(Path(cfg.checkpoint.load), "checkpoint.load")
-        cfg.checkpoint.load = str(folder)  # a job folder's newest checkpoint: what the Checkpointer loads
+        folder = Path(cfg.checkpoint.load)  # (a job folder's newest checkpoint since check_options)
         if hf.is_hf_folder(folder):
             hf.check(folder, args, "checkpoint.load")
         else:
@@ -176,9 +175,9 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    corpus = open_data(cfg.data, hf_folder(cfg))
+    corpus = open_data(cfg.data, start_folder(cfg))
     try:
-        args = hf.job_model(cfg, corpus.tokenizer.get_vocab_size())
+        args = job_model(cfg, corpus.tokenizer.get_vocab_size())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.training.seq_len > args.max_seq_len:
@@ -191,7 +190,7 @@ def run(cfg: JobConfig) -> list[dict]:
     identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)
     check_data_sizes(cfg, corpus)
-    loss_sets = open_loss_sets(cfg, corpus.tokenizer, hf_folder(cfg))
+    loss_sets = open_loss_sets(cfg, corpus.tokenizer, start_folder(cfg))
     suite = TaskSuite(cfg.eval, cfg.training.seq_len, corpus.tokenizer, eos_id(corpus.tokenizer)) \
         if cfg.eval.interval and cfg.eval.tasks else None
 
@@ -247,48 +246,19 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     replicas.start(model, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}, done,
                    device)
 
-    accum = grad_accumulation_steps(cfg)
-    tokens_per_step = t.global_batch_size * t.seq_len
     sequences_per_forward = t.micro_batch_size // (microbatches(cfg) if pipeline else 1)
     shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len // cp)
     peak = peak_flops(device, precision.compute, shapes)
     utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size() * replica_groups(cfg))
     logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done, cfg.metrics.plot,
-                           wandb_sinks(cfg, asdict(args), done), steps=t.steps) \
-        if rank == 0 else None
+                           wandb_sinks(cfg, asdict(args), done), steps=t.steps) if rank == 0 else None
     if rank == 0:
-        with torch.device("meta"):
-            whole = Transformer(args)
-        active = f" ({num_params(whole, active=True) / 1e6:.1f}M active: {args.top_k} of {args.n_experts} experts)" \
-            if args.n_experts else ""
-        print(f"plait: {parallel.describe(mesh)}{replicas.describe()} | {cfg.checkpoint.load if cfg.model.flavor == 'auto' else cfg.model.flavor}: "
-              f"{num_params(whole) / 1e6:.1f}M params{' (tied embeddings)' if args.tie_embeddings else ''}{active}, "
-              f"vocab {args.vocab_size} | {'+'.join(map(str, loader.num_sequences))} sequences of {t.seq_len} tokens | "
-              f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_degree(cfg)} x accum {accum} | "
-              f"{peak}\nplait: {precision.describe()}" + (f"\nplait: {pipeline.summary}" if pipeline else ""), flush=True)
-        for line in hf_start_lines(cfg):
-            print(line, flush=True)
-        if precision.emulated:
-            fp32_peak = peak_flops(device, torch.float32, shapes).flops
-            print(f"plait: warning: bfloat16 was asked for, but this device has no bf16 matmul units: the model's "
-                  f"matmuls measured {fp32_peak / peak.flops:.0f}x slower in bf16 than in float32 here "
-                  f"(--training.mixed_precision_param auto picks float32 on such hardware)", flush=True)
-        if t.float8 != "none":
-            print(f"plait: {float8.summary(args, cfg, device, precision.compute)}", flush=True)
-            if not float8.native(t.float8, device)[0]:
-                print(f"plait: warning: {t.float8} is emulated here: a linear layer's training step measured "
-                      f"{float8.slowdown(t.float8, precision.compute, max(shapes, key=math.prod)):.1f}x slower in "
-                      f"{t.float8} than in {str(precision.compute).removeprefix('torch.')} (it pays off on GPUs with "
-                      f"{'MXFP8' if float8.microscaling(t.float8) else 'float8'} tensor cores)", flush=True)
-
-    forwards = microbatches(cfg) if pipeline else accum
-    expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate, loss_mesh.get_group(),
-                             pipeline.group if pipeline else None, t.moe_sequence_aux_coef)
-    further = FurtherTokens(pipeline.predictor if pipeline else model, args, forwards, t.mtp_loss_weight, device,
-                            loss_mesh.get_group(), pipeline.group if pipeline else None)
-    rows, state_gib = [], None
-    profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
+        print_start_report(cfg, args, mesh, replicas, loader, precision, pipeline, peak, shapes, device)
     preemption = Preemption(device)
+    train_step = TrainStep(cfg, args, model, pipeline, optimizer, scheduler, loader, layout, contexts, loss_mesh,
+                           replicas, checkpointer, preemption, device)
+    profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
+    rows = []
     float8.precompute_scales(model, cfg)  # (the first step's gathers; each step's after its update)
     startup_s, finished = time.perf_counter() - started, False
     if rank == 0:
@@ -303,36 +273,10 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                     print(f"plait: healed from a live replica group: continuing at step {step}", flush=True)
             probe = DtypeProbe(contexts, model) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
             with probe, profiler.step(step):
-                position = loader.state_dict()
-                batches = [(inputs.to(device), labels.to(device)) for inputs, labels in loader.next_batches()]
-                if pipeline:  # one local batch: accumulation is the pipeline's micro-batching
-                    loss_sum = pipeline.step(*layout(*batches[0]))
-                    dist.all_reduce(loss_sum, group=pipeline.group)  # from the last stage to every rank
-                else:
-                    loss_sum = accumulate(model, batches, contexts, layout)
-                dist.all_reduce(loss_sum, group=loss_mesh.get_group())
-                replicas.average(loss_sum)
-                preemption.agree()
-                loss_value = loss_sum.item() / (accum * loss_mesh.size())
-                grad_norm = clip_and_norm(model, t.max_norm, *((pipeline.group, pipeline.counted_elsewhere) if pipeline
-                                                                 else ()))
-                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                    raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
-                                        f"stopped before the optimizer step, weights are from step {step - 1}")
-                lr = scheduler.get_last_lr()[0]
-                if not replicas.commit():  # a group failed during the step: it comes again, on the same batches
-                    optimizer.zero_grad(set_to_none=True)
-                    loader.load_state_dict(position)
-                    continue
-                with contexts.optimizer():
-                    checkpointer.wait_for_staging()
-                    optimizer.step()
-                    float8.precompute_scales(model, cfg)
-                    if state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
-                        state_gib = state_memory_gib(model, optimizer)
-                    optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                experts = expert_load.step() | further.step()
+                trained = train_step(step)
+            if trained is None:  # a group failed during the step: it comes again, on the same batches
+                continue
+            metrics, experts = trained
             evaluated = evaluation.run(step, model, pipeline, contexts, layout, groups, t.micro_batch_size,
                                        dp_mesh.get_local_rank(), dp_mesh.size(), device)
             if isinstance(probe, DtypeProbe):
@@ -342,39 +286,107 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
             elapsed = time.perf_counter() - start - evaluated.get("eval_time", 0.0)  # a step's time is training's
             if logger:
                 taking_part = replicas.taking_part()  # (tokens trained, not planned: a dead group's share is not)
-                tokens_per_sec = tokens_per_step * taking_part / replica_groups(cfg) / elapsed
-                row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-                       "tokens_per_sec": tokens_per_sec, "mfu": utilisation.mfu(step, tokens_per_sec),
-                       "memory_gib": peak_memory_gib(device), "state_gib": state_gib, "step_time": elapsed}
-                if cfg.fault_tolerance.enable:
-                    row["replicas"] = taking_part
-                row.update(experts)
-                row.update(evaluated)
+                tokens_per_sec = t.global_batch_size * t.seq_len * taking_part / replica_groups(cfg) / elapsed
+                row = {"step": step, **metrics, "tokens_per_sec": tokens_per_sec,
+                       "mfu": utilisation.mfu(step, tokens_per_sec), "memory_gib": peak_memory_gib(device),
+                       "state_gib": train_step.state_gib, "step_time": elapsed,
+                       **({"replicas": taking_part} if cfg.fault_tolerance.enable else {}), **experts, **evaluated}
                 logger.log(row)
                 rows.append(row)
             checkpointer.maybe_save(step)
             if signum := preemption.agreed_signal():
-                folder = checkpointer.save_now(step)
-                name = signal.Signals(signum).name
-                raise Preempted(f"{name} after step {step}: " + (
-                    f"saved {folder}; run the same command again to resume from it" if folder else
-                    "nothing saved (no checkpoint.folder): the steps of this run are lost"), signum)
+                raise preempted(signum, step, checkpointer.save_now(step))
         finished = True
     except RuntimeError as e:  # gloo and NCCL raise their timeouts as RuntimeError (DistBackendError)
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-            raise
-        raise CollectiveTimeout(f"step {step}: {collective_of(e)} did not complete within comm.timeout_seconds="
-                            f"{cfg.comm.timeout_seconds}: a rank stopped answering (hung, or dead) "
-                            f"[{str(e).strip().splitlines()[0]}]") from None
-    finally:
-        # Also when the run fails: a save in flight completes (and gets its manifest) before the
-        # process group goes away under it.
-        preemption.close()
-        replicas.close()
-        checkpointer.close()
-        if logger:
-            if finished:  # after the last save completed: the summary names it
-                logger.finish(summary.build(rows, loader, startup_s, time.perf_counter() - started,
-                                                latest_complete(cfg.checkpoint.folder)))
-            logger.close()
+        raise as_timeout(e, step, cfg) from None
+    finally:  # also when the run fails
+        close_run(cfg, preemption, replicas, checkpointer, logger, rows if finished else None, loader,
+                  (startup_s, time.perf_counter() - started))
     return rows
+
+
+def close_run(cfg: JobConfig, preemption: Preemption, replicas: ReplicaGroups, checkpointer: Checkpointer,
+              logger: MetricsLogger | None, rows: list[dict] | None, loader: BatchLoader, seconds: tuple) -> None:
+    """A save in flight completes (and gets its manifest) before the process group goes away
+    under it; then a finished run's summary (`rows`; None for a failed run) names it."""
+    preemption.close()
+    replicas.close()
+    checkpointer.close()
+    if logger:
+        if rows is not None:
+            logger.finish(summary.build(rows, loader, *seconds, latest_complete(cfg.checkpoint.folder)))
+        logger.close()
+
+
+class TrainStep:
+    """One optimizer step: forward and backward of the step's batches, the loss averaged over every
+    rank and group, the gradients clipped, then (where the replica groups commit) the update."""
+
+    def __init__(self, cfg: JobConfig, args, model: torch.nn.Module, pipeline, optimizer, scheduler,
+                 loader: BatchLoader, layout: BatchLayout, contexts: TrainContexts, loss_mesh, replicas: ReplicaGroups,
+                 checkpointer: Checkpointer, preemption: Preemption, device: torch.device):
+        self.cfg, self.model, self.pipeline, self.optimizer, self.scheduler = cfg, model, pipeline, optimizer, scheduler
+        self.loader, self.layout, self.contexts, self.loss_mesh = loader, layout, contexts, loss_mesh
+        self.replicas, self.checkpointer, self.preemption, self.device = replicas, checkpointer, preemption, device
+        t, stages = cfg.training, pipeline.group if pipeline else None
+        forwards = microbatches(cfg) if pipeline else grad_accumulation_steps(cfg)
+        self.expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate,
+                                      loss_mesh.get_group(), stages, t.moe_sequence_aux_coef)
+        self.further = FurtherTokens(pipeline.predictor if pipeline else model, args, forwards, t.mtp_loss_weight,
+                                     device, loss_mesh.get_group(), stages)
+        self.state_gib = None  # AdamW's state, once it exists (after the first update)
+
+    def __call__(self, step: int) -> tuple[dict, dict] | None:
+        """The step's metrics (loss, grad_norm, lr) and its experts'; None where a replica group
+        failed during it (no update: the same batches come again)."""
+        position = self.loader.state_dict()
+        batches = [(inputs.to(self.device), labels.to(self.device)) for inputs, labels in self.loader.next_batches()]
+        loss_value = self.loss(batches)
+        self.preemption.agree()
+        pipeline = self.pipeline
+        grad_norm = clip_and_norm(self.model, self.cfg.training.max_norm,
+                                  *((pipeline.group, pipeline.counted_elsewhere) if pipeline else ()))
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
+                                f"stopped before the optimizer step, weights are from step {step - 1}")
+        lr = self.scheduler.get_last_lr()[0]
+        if not self.replicas.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            self.loader.load_state_dict(position)
+            return None
+        with self.contexts.optimizer():
+            self.checkpointer.wait_for_staging()
+            self.optimizer.step()
+            float8.precompute_scales(self.model, self.cfg)
+            if self.state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
+                self.state_gib = state_memory_gib(self.model, self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"loss": loss_value, "grad_norm": grad_norm, "lr": lr}, self.expert_load.step() | self.further.step()
+
+    def loss(self, batches: list) -> float:
+        """Forward and backward of the step's batches; the loss, averaged over every rank and group."""
+        if self.pipeline:  # one local batch: accumulation is the pipeline's micro-batching
+            loss_sum = self.pipeline.step(*self.layout(*batches[0]))
+            dist.all_reduce(loss_sum, group=self.pipeline.group)  # from the last stage to every rank
+        else:
+            loss_sum = accumulate(self.model, batches, self.contexts, self.layout)
+        dist.all_reduce(loss_sum, group=self.loss_mesh.get_group())
+        self.replicas.average(loss_sum)
+        return loss_sum.item() / (grad_accumulation_steps(self.cfg) * self.loss_mesh.size())
+
+
+def preempted(signum: int, step: int, folder) -> Preempted:
+    """The run stopped by a signal after `step`, and where it saved (`folder`; None: nowhere)."""
+    return Preempted(f"{signal.Signals(signum).name} after step {step}: " + (
+        f"saved {folder}; run the same command again to resume from it" if folder else
+        "nothing saved (no checkpoint.folder): the steps of this run are lost"), signum)
+
+
+def as_timeout(error: RuntimeError, step: int, cfg: JobConfig) -> BaseException:
+    """A collective's timeout as a CollectiveTimeout naming the collective; any other error as it is."""
+    if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+        return error
+    return CollectiveTimeout(f"step {step}: {collective_of(error)} did not complete within comm.timeout_seconds="
+                             f"{cfg.comm.timeout_seconds}: a rank stopped answering (hung, or dead) "
+                             f"[{str(error).strip().splitlines()[0]}]")

@@ -283,9 +283,10 @@ def test_async_save_with_slow_staging_equals_sync_save_bitwise(tmp_path):
 
 
 def test_bad_checkpoints_fail_clearly_and_leave_good_ones_alone(tmp_path, seed_ckpt):
-    # Another model shape (vocabulary 4096 vs the seed's 512).
-    rows, proc = run_plait(tmp_path, "--checkpoint.load", str(seed_ckpt), "--data.vocab_size", "4096", check=False)
-    assert proc.returncode == 2 and rows == [] and "holds another model" in proc.stderr and "vocab_size" in proc.stderr
+    # Another model shape asked for (the checkpoint's model is the run's unless an option says otherwise).
+    rows, proc = run_plait(tmp_path, "--checkpoint.load", str(seed_ckpt), "--model.n_layers", "3", check=False)
+    assert proc.returncode == 2 and rows == [] and proc.stderr.strip().splitlines() == [
+        f"plait: error: model.n_layers: 3, but {seed_ckpt} has 2 blocks; allowed: 0 or 2"]
     # Not a checkpoint at all.
     (tmp_path / "empty").mkdir()
     _, proc = run_plait(tmp_path, "--checkpoint.load", str(tmp_path / "empty"), check=False)
@@ -336,7 +337,7 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, seed_ck
         manifest["digests"][name] = "0" * 64
         (forged / "plait.json").write_text(json.dumps(manifest))
         with pytest.raises(ConfigError, match=re.escape(f"checkpoint: {forged}: its manifest names {name!r}, which is not a")):
-            check_compatible(forged, ModelArgs(**saved_model(manifest)), "checkpoint")
+            check_compatible(forged, ModelArgs(**saved_model(manifest, forged, "checkpoint")), "checkpoint")
     # Through the CLI: one line and exit 2, promptly (today's main hung here reading /dev/zero).
     proc = subprocess.run([sys.executable, "-m", "plait", "generate", "--checkpoint", str(tmp_path / "forged-0"),
                            "--prompt", "a", "--max_new_tokens", "2"], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -344,6 +345,60 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, seed_ck
         f"plait: error: checkpoint: {tmp_path / 'forged-0'}: its manifest names '/dev/zero', which is not a file "
         f"name inside the folder; the checkpoint is damaged; move {tmp_path / 'forged-0'} away to resume from the one "
         "before it"]
+
+
+def test_dcp_metadata_naming_a_link_is_refused_as_the_manifest_is(tmp_path, seed_ckpt):
+    """DCP metadata's file names follow the manifest's rule (plait/file_names.py): a link to a file
+    outside the folder is refused before anything is read through it."""
+    import dataclasses
+    import pickle
+
+    from plait.checkpoint.manifest import check_compatible, read_manifest
+    from plait.checkpoint.safe_dcp import read_metadata
+    from plait.config import ConfigError
+    from plait.models.flavors import ModelArgs
+
+    forged = tmp_path / "forged"
+    shutil.copytree(seed_ckpt, forged)
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(next(forged.glob("*.distcp")), outside)
+    (forged / "link").symlink_to(outside)
+    metadata = read_metadata(forged)
+    metadata.storage_data = {k: dataclasses.replace(v, relative_path="link") for k, v in metadata.storage_data.items()}
+    (forged / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint: {forged}'s DCP metadata names 'link', which is not a "
+                                                    "plain file (a link, a device or a folder)")):
+        check_compatible(forged, ModelArgs(**read_manifest(forged)["model_args"]), "checkpoint")
+
+
+def test_a_manifest_from_a_newer_plait_is_one_line_naming_its_unknown_field(tmp_path, seed_ckpt):
+    """A field a newer plait added to model_args (what an older plait meets in a newer checkpoint)
+    is named in one line, with the version that wrote it, by every reader of a manifest: load and
+    resume, generate, eval, export, and a job folder's owner file."""
+    from plait.checkpoint.manifest import OWNER, check_compatible, check_owner, read_manifest
+    from plait.config import ConfigError
+    from plait.generate import load
+    from plait.hf.export import export_checkpoint
+    from plait.models.flavors import ModelArgs
+
+    newer = tmp_path / "newer"
+    shutil.copytree(seed_ckpt, newer)
+    manifest = read_manifest(newer)
+    args = ModelArgs(**manifest["model_args"])
+    manifest["model_args"]["future_field"] = 1
+    manifest["plait"] = "99.0"
+    (newer / "plait.json").write_text(json.dumps(manifest))
+    said = re.escape(f"checkpoint: {newer} records the model field(s) future_field, which this plait (") + r"[^)]+" + \
+        re.escape(") does not know: the checkpoint was written by a newer plait (99.0); upgrade plait to read it")
+    for reader in (lambda: check_compatible(newer, args, "checkpoint"), lambda: load(newer),
+                   lambda: export_checkpoint(newer, tmp_path / "out", torch.float32, 2**30)):
+        with pytest.raises(ConfigError, match=f"^{said}$"):
+            reader()
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / OWNER).write_text(json.dumps({"model_args": manifest["model_args"]}))
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint.folder: {tmp_path / 'job' / OWNER} records the model "
+                                                    "field(s) future_field")):
+        check_owner(str(tmp_path / "job"), {})
 
 
 def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_ckpt):

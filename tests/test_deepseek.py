@@ -246,3 +246,60 @@ def test_deepseek_configs_plait_does_not_compute_are_refused_by_name(tmp_path, c
     (tmp_path / "config.json").write_text(json.dumps(config | change))
     with pytest.raises(ConfigError, match=message):
         hf.model_args(tmp_path, "checkpoint.load")
+
+
+def deepseek_folder(folder, rope_parameters: dict):
+    """A tiny DeepSeek-V3 as transformers makes it (test_families' shape) with this RoPE, saved to `folder`."""
+    transformers = pytest.importorskip("transformers")
+    from test_families import BASE, CONFIGS
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**(BASE | CONFIGS["deepseek_v3"][1] | {"rope_parameters": rope_parameters}))
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def test_linear_rope_with_mscale_all_dim_scales_the_softmax_as_transformers_and_exports_it(tmp_path):
+    """transformers' DeepseekV3 multiplies its softmax scale by yarn_mscale(factor, mscale_all_dim)^2
+    under any RoPE scaling, not YaRN's alone (yarn_apply_mscale): linear scaling too. plait computes
+    its logits, and its export keeps mscale_all_dim: transformers reads back the same model."""
+    from plait.hf.config import hf_config
+    from plait.hf.weights import write_weights
+    from test_hf import plait_model
+
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0}
+    theirs = deepseek_folder(tmp_path / "source", rope)
+    ours, weights = plait_model(tmp_path / "source")
+    tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        diff = (ours(tokens) - expected).abs().max().item()
+    print(f"\nlinear + mscale_all_dim: max |logits - transformers'| {diff:.2e}")
+    assert diff <= 1e-5  # as test_families' test_logits_equal_transformers
+
+    out = tmp_path / "exported"
+    write_weights(dict(weights.items()) | weights.buffers, ours.args, out, torch.float32, 1 << 30)
+    (out / "config.json").write_text(json.dumps(hf_config(ours.args, torch.float32, None, 0)))
+    transformers = pytest.importorskip("transformers")
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert {k: again.config.rope_parameters.get(k) for k in rope} == rope
+    with torch.no_grad():
+        assert (again(tokens).logits - expected).abs().max().item() <= 1e-5
+    from plait import hf
+
+    assert hf.model_args(out, "checkpoint.load") == ours.args
+
+
+def test_shared_expert_weights_a_config_json_leaves_out_are_refused_not_dropped(tmp_path):
+    """A config.json of no shared experts (n_shared_experts 0) over a folder holding them: the
+    folder's weights are another model's, refused by name rather than left unread."""
+    from plait import hf
+
+    deepseek_folder(tmp_path, {"rope_type": "default", "rope_theta": 10000.0})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"n_shared_experts": 0}))
+    args = hf.model_args(tmp_path, "checkpoint.load")
+    with pytest.raises(ConfigError, match=r"holds 9 tensor\(s\) that the model of its config.json does not use: "
+                                          r"\['model.layers.1.mlp.shared_experts.down_proj.weight'"):
+        hf.HFWeights(tmp_path, args, "checkpoint.load")

@@ -37,6 +37,31 @@ def test_a_bad_task_file_is_refused_naming_its_line(tmp_path, row, message):
     assert "\n" not in str(error.value)
 
 
+def test_a_task_file_s_strings_may_hold_line_separators(tmp_path):
+    """Lines end at \\n only: U+2028 and U+0085 are characters in a JSON string, which
+    json.dumps(ensure_ascii=False) writes as they are."""
+    examples = [{**GOOD, "context": "one\u2028two"}, {**GOOD, "choices": ["a\x85b", "c"]}]
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples), encoding="utf-8")
+    assert [e.context for e in load_task(str(task)).examples] == ["one\u2028two", GOOD["context"]]
+    assert load_task(str(task)).examples[1].choices == ("a\x85b", "c")
+
+
+def test_plait_eval_refuses_a_max_length_beyond_the_model_s_positions(tmp_path, capsys):
+    """A window longer than the model's RoPE table is one line naming the limit, not a shape error
+    from the first long request."""
+    from plait.cli import main
+
+    checkpoint = tmp_path / "seed"
+    subprocess.run([*PLAIT, "seed-checkpoint", *TINY, "--model.max_seq_len", "64", "--out", str(checkpoint)],
+                   check=True, capture_output=True, cwd=ROOT)
+    task = tmp_path / "long.jsonl"
+    task.write_text(json.dumps({**GOOD, "context": "word " * 150}) + "\n")
+    assert main(["eval", "--checkpoint", str(checkpoint), "--tasks", str(task), "--max_length", "100"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "plait: error: max_length: 100 is beyond the model's 64 positions; allowed: 1..64 (0 = the model's)"]
+
+
 def test_a_run_with_a_bad_task_fails_at_start_up_in_one_line(tmp_path):
     task = tmp_path / "task.jsonl"
     task.write_text(json.dumps({**GOOD, "gold": 5}) + "\n")
@@ -91,21 +116,63 @@ def lm_eval_scores(export, task, limit_tokens, fewshot):
     return lls, {name: metrics[f"{name},none"] for name in ("acc", "acc_norm", "acc_bytes")}
 
 
+def loss_of_each_document_alone(checkpoint, path) -> float:
+    """The validation loss of `path`'s first global batch (4 sequences of 64 tokens) with each
+    document of a sequence forwarded alone, plainly causal from position 0 (an end-of-text token
+    opens the next one); the mention of the end-of-text string checked to be text."""
+    import torch
+    import torch.nn.functional as F
+    from plait.config import Data
+    from plait.data import eos_id, open_source
+    from plait.data.loader import eval_batches
+    from plait.generate import load
+
+    model, tokenizer = load(checkpoint)
+    eos = eos_id(tokenizer)
+    (inputs, labels), = eval_batches(open_source(str(path), Data(), tokenizer, "test"), 64, 4, 4, 0, 1, 1)
+    assert "<|eos|>" in tokenizer.decode(inputs.flatten().tolist()) and (inputs == eos).sum() >= 2
+    total = 0.0
+    with torch.no_grad():
+        for row, target in zip(inputs, labels):
+            starts = [0, *(i for i in range(1, len(row)) if row[i] == eos)]
+            for a, b in zip(starts, [*starts[1:], len(row)]):
+                total += F.cross_entropy(model(row[None, a:b])[0].float(), target[a:b], reduction="sum").item()
+    return total / labels.numel()
+
+
 @pytest.mark.slow
 def test_plait_eval_scores_as_lm_evaluation_harness_does_on_the_export(tmp_path, monkeypatch):
     """A trained checkpoint, exported: plait's per-example log-likelihoods (the same from the
     checkpoint and from the export) equal lm-evaluation-harness's within 1e-4 (fp32; the sums differ in order only) and acc, acc_norm, acc_bytes are equal. The
     task has 2-shot contexts longer than the 64-token window (left truncation), a context with a
-    trailing space, and choices whose lengths in characters and bytes rank differently."""
-    run_plait(tmp_path, "--training.steps", "8", "--checkpoint.folder", str(tmp_path / "run"))
-    export = tmp_path / "export"
-    subprocess.run([*PLAIT, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(export), "--dtype",
-                    "float32"], check=True, capture_output=True, cwd=ROOT)
+    trailing space, choices whose lengths in characters and bytes rank differently, and a context
+    holding the end-of-text token's text (both tokenizers make it the token).
+
+    The same run scores the task in the loop at its last step (window training.seq_len = 64, the
+    run's document mask): the same scores as `plait eval`, the end-of-text in a context included:
+    a request is scored plainly causal, as one text (issue 60, defect 4: under the training's
+    document mask it restarted attention and RoPE there, gold_loss 8.58295 vs 8.58483). And a named
+    validation set whose text mentions the end-of-text string is scored as training scores data:
+    the mention stays text, each document of a sequence attends within itself (the reference: each
+    forwarded alone from the checkpoint)."""
     examples = [json.loads(line) for line in (ROOT / "plait/evals/sample.jsonl").read_text().splitlines()[:6]]
     examples.append({"context": "A name refers to ", "choices": ["an object", "a value", "the same"], "gold": 0})
     examples.append({"context": "The result is", "choices": ["größer", "larger", "bigger", "same"], "gold": 1})
+    examples.append({"context": "A function definition is an executable statement.<|eos|>Its execution binds",
+                     "choices": ["the function name", "a loop", "the file"], "gold": 0})
     task = tmp_path / "task.jsonl"
     task.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
+    documents = [text for text in validation_text().split("\n\n") if text.strip()]
+    documents.insert(1, "The separator is <|eos|> here, as text.")
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    rows, _ = run_plait(tmp_path, "--training.steps", "8", "--checkpoint.folder", str(tmp_path / "run"),
+                        "--eval.interval", "8", "--eval.tasks", str(task), "--eval.num_fewshot", "2",
+                        "--data.val_path", str(val), "--training.eval_steps", "1", "--eval.loss_sets", f"prose:{val}")
+    in_loop = rows[-1]
+    export = tmp_path / "export"
+    subprocess.run([*PLAIT, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(export), "--dtype",
+                    "float32"], check=True, capture_output=True, cwd=ROOT)
     samples = tmp_path / "samples.jsonl"
 
     def plait_eval(checkpoint):
@@ -117,6 +184,14 @@ def test_plait_eval_scores_as_lm_evaluation_harness_does_on_the_export(tmp_path,
 
     ours, ours_lls = plait_eval(tmp_path / "run")  # the job folder: its newest checkpoint
     assert plait_eval(export)[1] == ours_lls  # the Hugging Face folder of the same weights
+    scores = ("acc", "acc_norm", "acc_bytes", "gold_loss")
+    print("in the loop vs plait eval:", {name: (in_loop[f"eval_task_{name}"], ours[f"eval_task_{name}"]) for name in scores})
+    assert {name: in_loop[f"eval_task_{name}"] for name in scores} == {name: ours[f"eval_task_{name}"] for name in scores}
+    assert in_loop["val_loss_prose"] == in_loop["val_loss"]  # the same code and batches
+    reference = loss_of_each_document_alone(tmp_path / "run", val)
+    print("val_loss_prose vs each document alone:", in_loop["val_loss_prose"], reference)
+    # within one float32 step at 6.6 (4.8e-7: val_loss is a float32 mean, the reference a float64 sum; measured 3e-8)
+    assert abs(in_loop["val_loss_prose"] - reference) <= 5e-7, (in_loop["val_loss_prose"], reference)
     for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(variable, "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))

@@ -217,6 +217,123 @@ def test_a_field_left_out_means_the_familys_default(folders, tmp_path, case):
     assert diff <= 1e-5  # as test_logits_equal_transformers
 
 
+def changed_folder(source, folder, change: dict):
+    """A copy of `source` whose config.json has `change` written over it."""
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | change))
+    return folder
+
+
+def rope_parameters(family: str, **change) -> dict:
+    return {"rope_parameters": CONFIGS[family][1]["rope_parameters"] | change}
+
+
+# A field set to null means what transformers reads there (a field its config class types `X | None`:
+# derived or off); a null it refuses or fails on, or a value of the wrong type, is refused in one line
+# naming the field: (family, change to config.json, plait's refusal; None: plait computes transformers' logits).
+NULLS = {
+    "deepseek_v3-routed_scaling_factor": ("deepseek_v3", {"routed_scaling_factor": None},
+                                          "sets routed_scaling_factor null; allowed: a number"),
+    "deepseek_v3-routed_scaling_factor-text": ("deepseek_v3", {"routed_scaling_factor": "2.5"},
+                                               'sets routed_scaling_factor "2.5"; allowed: a number'),
+    "deepseek_v3-first_k_dense_replace": ("deepseek_v3", {"first_k_dense_replace": None},
+                                          "sets first_k_dense_replace null; allowed: an integer >= 0"),
+    "deepseek_v3-num_experts_per_tok": ("deepseek_v3", {"num_experts_per_tok": None},
+                                        "sets num_experts_per_tok null; allowed: an integer >= 1"),
+    # (the folder's shared experts must not be dropped)
+    "deepseek_v3-n_shared_experts": ("deepseek_v3", {"n_shared_experts": None},
+                                     "sets n_shared_experts null; allowed: an integer >= 0"),
+    "deepseek_v3-rope_interleave": ("deepseek_v3", {"rope_interleave": None}, "sets rope_interleave null"),
+    "qwen3-rope_scaling-text": ("qwen3", {"rope_scaling": "yarn"},
+                                'sets rope_scaling "yarn"; allowed: an object (rope_type and its fields) or null'),
+    "qwen3_moe-yarn-factor": ("qwen3_moe", rope_parameters("qwen3_moe", factor=None),
+                              "sets rope_parameters.factor null; allowed: a number"),
+    "mistral-max_position_embeddings": ("mistral", {"max_position_embeddings": None},
+                                        "sets max_position_embeddings null; allowed: an integer >= 1"),
+    "qwen3-head_dim": ("qwen3", {"head_dim": None}, "sets head_dim null; allowed: an integer >= 1"),
+    "olmo2-tie_word_embeddings": ("olmo2", {"tie_word_embeddings": None},
+                                  "sets tie_word_embeddings null; allowed: true or false"),
+    "qwen2-sliding_window": ("qwen2", {"sliding_window": None},
+                             "sets sliding_window null with use_sliding_window true; allowed: an integer >= 1"),
+    "gpt_oss-sliding_window": ("gpt_oss", {"sliding_window": None}, "sets sliding_window null; allowed: an integer"),
+    "gpt_oss-layer_types-short": ("gpt_oss", {"layer_types": ["full_attention"]},
+                                  'sets layer_types ["full_attention"]; allowed: a list of 4 strings'),
+    "llama-hidden_size": ("qwen2", {"hidden_size": None}, "sets hidden_size null; allowed: an integer >= 1"),
+    # YaRN's truncate null is false in transformers (it reads .get("truncate", True)): the ramp unrounded
+    "gpt_oss-yarn-truncate": ("gpt_oss", rope_parameters("gpt_oss", truncate=None), None),
+    "gpt_oss-layer_types": ("gpt_oss", {"layer_types": None}, None),  # every other block slides, from the first
+    "deepseek_v3-norm_topk_prob": ("deepseek_v3", {"norm_topk_prob": None}, None),  # falsy: not renormalised
+    "deepseek_v3-num_key_value_heads": ("deepseek_v3", {"num_key_value_heads": None}, None),  # the heads
+    "mistral-head_dim": ("mistral", {"head_dim": None}, None),  # hidden_size / heads
+    "mixtral-sliding_window": ("mixtral", {"sliding_window": None}, None),  # no window
+}
+
+
+@pytest.mark.parametrize("case", NULLS)
+def test_a_null_or_ill_typed_field_is_read_as_transformers_reads_it_or_refused_in_one_line(folders, tmp_path, case):
+    from plait import hf
+    from plait.config import ConfigError
+
+    family, change, refusal = NULLS[case]
+    folder = changed_folder(folders(family), tmp_path, change)
+    if refusal is not None:
+        with pytest.raises(ConfigError) as refused:
+            hf.model_args(folder, "checkpoint.load")
+        assert refusal in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+        return
+    ours, _ = plait_model(folder)
+    theirs, loading = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(loading.values()), loading  # (every weight of the folder, and only those)
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs.eval()(tokens).logits).abs().max().item()
+    print(f"\n{case}: max |logits - transformers'| {diff:.2e}")
+    assert diff <= 1e-5  # as test_logits_equal_transformers
+
+
+def test_gpt_oss_rope_scaling_null_is_its_default_yarn_as_in_transformers(folders, tmp_path):
+    """transformers reads "rope_scaling": null as left out: gpt-oss's default YaRN (32x an original
+    4096, q and k times its attention factor 1.35; q and k sharpened 4x here, so that it shows in the
+    logits). An export writes the YaRN out, and a gpt-oss without RoPE scaling writes rope_type
+    "default" (null would read as the YaRN)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from plait.hf.config import hf_config
+
+    source = folders("gpt_oss")
+    params = json.loads((source / "config.json").read_text())["rope_parameters"]
+    folder = changed_folder(source, tmp_path / "null", {"rope_parameters": None, "rope_scaling": None,
+                                                         "rope_theta": params["rope_theta"]})
+    weights = load_file(folder / "model.safetensors")
+    sharpened = {k: v * 4 if k.endswith(("q_proj.weight", "k_proj.weight")) else v for k, v in weights.items()}
+    save_file(sharpened, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ours, _ = plait_model(folder)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert theirs.config.rope_parameters["factor"] == 32.0
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    print(f"\nrope_scaling null: max |logits - transformers'| {diff:.2e}")
+    assert diff <= 1e-5  # as test_logits_equal_transformers
+    for args, rope_type in ((ours.args, "yarn"), (replace(ours.args, rope_scaling=None), "default")):
+        out = tmp_path / rope_type
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(hf_config(args, torch.float32, None, 0)))
+        read = transformers.AutoConfig.from_pretrained(out).rope_parameters
+        assert read["rope_type"] == rope_type
+        assert rope_type == "default" or read == theirs.config.rope_parameters
+        assert plait_model_args(out).rope_scaling == args.rope_scaling
+
+
+def plait_model_args(folder):
+    from plait import hf
+
+    return hf.model_args(folder, "checkpoint.load")
+
+
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB)
 EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4),
                 "gpt_oss": dict(num_local_experts=4), "deepseek_v3": dict(n_routed_experts=16, moe_intermediate_size=48)}

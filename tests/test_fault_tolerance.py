@@ -66,28 +66,56 @@ def test_a_group_without_a_lighthouse_is_refused_before_any_process_group(monkey
 @pytest.mark.slow
 def test_two_groups_of_two_fsdp2_ranks_train_as_hsdp_2x2_and_a_whole_job_restart_resumes_exactly(tmp_path,
                                                                                                   train_once):
-    """With every group in every step (min_replicas 2), the groups are HSDP's replicas: each
-    unit's reduce-scattered gradient averaged across groups by torchft, where HSDP all-reduces
-    it over dp_replicate. Bound: the HSDP row's own against one device (1e-6, fp32 reordered
-    sums: the groups' average is summed by torchft, then divided; measured 4.8e-7).
+    """With every group in every step, the groups are HSDP's replicas: each unit's reduce-scattered
+    gradient averaged across groups by torchft, where HSDP all-reduces it over dp_replicate.
+    Bound: the HSDP row's own against one device (1e-6, fp32 reordered sums: the groups' average
+    is summed by torchft, then divided; measured 4.8e-7). With the default min_replicas (1): a
+    job's first quorum waits for every group, whichever starts first.
     Then the whole job again, as after losing every group: each group resumes from its own
-    step-3 checkpoint (step 6's removed) and repeats steps 4-6 bit for bit."""
+    step-3 checkpoint (step 6's moved away), both resume together (not each alone, as a quorum
+    of one would let them) and repeat steps 4-6 bit for bit, ending with the uninterrupted
+    run's weights."""
     saves = ["--checkpoint.folder", str(tmp_path / "ck"), "--checkpoint.interval", "3"]
-    job = train_groups(tmp_path, "--training.steps", "6", "--fault_tolerance.min_replicas", "2", *saves)
+    job = train_groups(tmp_path, "--training.steps", "6", *saves)
     assert job.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
     hsdp = losses(layout_run(train_once, "hsdp_w4")[0])
     for group in (0, 1):
         assert [row["replicas"] for row in rows(tmp_path, group)] == [2] * 6
         assert max_abs_diff(losses(rows(tmp_path, group)), hsdp) <= 1e-6
-        shutil.rmtree(tmp_path / "ck" / f"group-{group}" / "step-6")
+        shutil.move(tmp_path / "ck" / f"group-{group}" / "step-6", tmp_path / f"uninterrupted-{group}")
     again = tmp_path / "again"
     again.mkdir()
-    job = train_groups(again, "--training.steps", "6", "--fault_tolerance.min_replicas", "2", *saves)
+    job = train_groups(again, "--training.steps", "6", *saves)
     assert job.wait(timeout=300) == 0, (again / "log.txt").read_text()[-4000:]
+    args = model_args("debug", 512)
     for group in (0, 1):
         resumed = rows(again, group)
-        assert [row["step"] for row in resumed] == [4, 5, 6]
+        assert [(row["step"], row["replicas"]) for row in resumed] == [(4, 2), (5, 2), (6, 2)]
         assert losses(resumed) == losses(rows(tmp_path, group))[3:]
+        final = load_full_state_dict(tmp_path / "ck" / f"group-{group}" / "step-6", args, "checkpoint")
+        before = load_full_state_dict(tmp_path / f"uninterrupted-{group}", args, "checkpoint")
+        assert final.keys() == before.keys()
+        assert all(torch.equal(final[name], before[name]) for name in final)
+
+
+@pytest.mark.slow
+def test_a_group_that_starts_alone_waits_for_the_others_then_trains_alone(tmp_path):
+    """Group 0 of 2 started alone (the other never comes): its first quorum waits for every group
+    up to quorum_timeout_seconds, saying so, then it trains alone (min_replicas 1) to the end."""
+    from plait.lighthouse import start
+
+    server = start(min_replicas=1)
+    try:
+        job = subprocess.run([sys.executable, "-m", "plait", "train", *TINY, *GROUPS, "--training.steps", "2",
+                              "--fault_tolerance.replica_id", "0", "--fault_tolerance.lighthouse", server.address(),
+                              "--fault_tolerance.quorum_timeout_seconds", "1", "--metrics.jsonl",
+                              str(tmp_path / "metrics.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert "replica group 0 waits for every replica group at its first step (1 of 2 here" in job.stdout
+    assert "replica group 0: 1 of 2 groups came within 1 s (fault_tolerance.quorum_timeout_seconds)" in job.stdout
+    assert [(row["step"], row["replicas"]) for row in rows(tmp_path, 0)] == [(1, 1), (2, 1)]
 
 
 @pytest.mark.slow

@@ -221,3 +221,33 @@ def test_a_job_folder_without_a_complete_checkpoint_is_refused_listing_what_it_h
     [line] = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and line.startswith(f"plait: error: checkpoint.load: {folder} is a job folder") \
         and held in line, line
+
+
+def test_a_job_from_a_continued_hugging_face_checkpoint_trains_that_model(recipe, capsys):
+    """A plait checkpoint of a job that started from a Hugging Face folder (ckpt/ of the recipe) is
+    the model its manifest records, with the tokenizer it holds: a new job started from it (with no
+    model.flavor and no data.tokenizer: the model is decided once, from what checkpoint.load names)
+    and that job's export. A learning rate of 1e-30 moves no weight of this size (each update is
+    below half an ulp of it), so the three hold one model: the two checkpoints score a text
+    bitwise alike, transformers within fp32 kernel order (1e-5, as test_families measures)."""
+    import torch
+
+    from plait.generate import load
+
+    root, _ = recipe
+    plait("plait train --checkpoint.load ckpt/ --data.path qwen3-tokens/ --checkpoint.folder again/ "
+          "--training.lr 1e-30", root)
+    plait("plait export --checkpoint again/ --out again-hf/ --dtype float32", root)
+    (continued, tokenizer), (again, _) = load(root / "ckpt"), load(root / "again")
+    assert again.args == continued.args and again.args.family == "qwen3"
+    tokens = torch.tensor([tokenizer.encode("Checkpoints are folders of the weights").ids])
+    with torch.no_grad():
+        ours = continued(tokens)
+        assert torch.equal(again(tokens), ours)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(root / "again-hf")(tokens).logits
+    assert (theirs - ours).abs().max().item() <= 1e-5
+    # The pipeline's check reads the same decision: this Qwen3 ties its output layer to its embedding.
+    capsys.readouterr()
+    assert main(["train", "--checkpoint.load", str(root / "ckpt"), "--parallelism.pp", "2", "--nproc", "2"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("plait: error: parallelism.pp: the model ties its output layer") and "ckpt" in line, line

@@ -265,3 +265,58 @@ def test_plan_reads_the_model_of_a_hugging_face_folder(folders):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("dp_replicate=")]
     assert rows and "plan: best: " in proc.stdout and not any("pp=2" in row for row in rows)
+
+
+def test_an_index_naming_files_outside_its_folder_is_refused(folders, tmp_path):
+    """model.safetensors.index.json is data from disk: a weight_map naming an absolute path, ../, a
+    sub-folder's file, a device or a folder is refused in one line before anything is opened (the
+    rule of a checkpoint's manifest and DCP metadata). Shards that are links to plain files (the
+    Hugging Face hub's cache is made of them) still load."""
+    import shutil
+
+    from plait.config import ConfigError
+    from plait.hf.weights import INDEX, weight_files
+
+    source = folders("tinyllama", True)
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(sorted(source.glob("model-*.safetensors"))[0], outside)
+    for i, name in enumerate([str(outside), "../outside.safetensors", "sub/x.safetensors", "/dev/zero", "..", "a_folder"]):
+        forged = tmp_path / f"forged-{i}"
+        shutil.copytree(source, forged)
+        (forged / "a_folder").mkdir()
+        index = json.loads((forged / INDEX).read_text())
+        index["weight_map"][next(iter(index["weight_map"]))] = name
+        (forged / INDEX).write_text(json.dumps(index))
+        with pytest.raises(ConfigError, match=re.escape(f"checkpoint.load: {forged / INDEX} names {name!r}, which is not a")):
+            weight_files(forged, "checkpoint.load")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in source.iterdir():
+        (linked / f.name).symlink_to(f)
+    assert set(weight_files(linked, "checkpoint.load")) == set(json.loads((source / INDEX).read_text())["weight_map"])
+
+
+def test_weights_the_model_does_not_use_are_refused_not_dropped(folders, tmp_path):
+    """A tensor in the folder that the model of its config.json has no place for is refused in one
+    line: loading the rest would train another model than the folder's. RoPE tables some older
+    folders hold (transformers ignores them too; plait computes its own) are no weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from plait import hf
+    from plait.config import ConfigError
+
+    for extra, refused in (("model.layers.0.mlp.extra_proj.weight", True),
+                           ("model.layers.0.self_attn.rotary_emb.inv_freq", False)):
+        folder = tmp_path / extra
+        shutil.copytree(folders("tinyllama"), folder)
+        tensors = load_file(folder / "model.safetensors") | {extra: torch.ones(8)}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        args = hf.model_args(folder, "checkpoint.load")
+        if refused:
+            with pytest.raises(ConfigError, match=re.escape(f"checkpoint.load: {folder} holds 1 tensor(s) that the "
+                                                            f"model of its config.json does not use: ['{extra}']")):
+                hf.HFWeights(folder, args, "checkpoint.load")
+        else:
+            hf.HFWeights(folder, args, "checkpoint.load")

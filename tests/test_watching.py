@@ -156,3 +156,25 @@ def test_plot_draws_one_run_and_several_overlaid(tmp_path, capsys):
     assert "two.png: 2 runs" in capsys.readouterr().out
     assert main(["plot", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x.png")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", '{"text": "a validation document"}', '{"step": "one", "loss": 1.0}'])
+def test_plot_refuses_a_file_that_is_not_metrics_in_one_line(tmp_path, capsys, line):
+    """JSON lines that are not a run's rows (a list, a validation set's documents): one line, no traceback."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    assert main(["plot", str(bad), "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"plait: error: files: {bad} line 1 is not a row of metrics (a JSON object with a whole-number step): is it "
+        "a metrics.jsonl?"]
+
+
+def test_plot_reads_rows_whose_strings_hold_line_separators(tmp_path):
+    """Lines end at \\n only: U+2028 and U+0085 are characters in a JSON string (json.dumps with
+    ensure_ascii=False writes them as they are)."""
+    from plait.metrics.plot import read_rows
+
+    rows = [{"step": 1, "loss": 2.0, "note": "a\u2028b\x85c"}, {"step": 2, "loss": 1.5}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    assert read_rows(metrics) == rows

@@ -12,12 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from plait import file_names
 from plait.config import ConfigError
 
 SIDECAR = ".digests-{rank}.json"
@@ -76,19 +76,10 @@ def verify(folder: Path, manifest: dict, option: str, rank: int = 0, world: int 
 
 
 def first_stray(folder: Path, digests: dict[str, str] | None) -> str | None:
-    """The first name in `digests` that is not a plain file directly inside `folder`, as the start
-    of a sentence, or None. A manifest is data from disk: a name such as /dev/zero, ../x or a
-    symlink would otherwise be opened and hashed (a device never ends: the command hangs)."""
-    for name in sorted(digests or {}):
-        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
-            return f"its manifest names {name!r}, which is not a file name inside the folder"
-        try:
-            mode = os.lstat(folder / name).st_mode
-        except FileNotFoundError:
-            continue  # reported as missing, in the same words as a missing data file
-        if not stat.S_ISREG(mode):
-            return f"its manifest names {name!r}, which is not a plain file (a link, a device or a folder)"
-    return None
+    """The first name in `digests` that is not a plain file directly inside `folder`
+    (plait/file_names.py), as the start of a sentence, or None."""
+    stray = file_names.first_stray(folder, digests or {})
+    return f"its manifest names {stray}" if stray else None
 
 
 def first_mismatch(folder: Path, digests: dict[str, str] | None, rank: int = 0, world: int = 1) -> str | None:

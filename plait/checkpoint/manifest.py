@@ -13,20 +13,21 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from plait import file_names
 from plait.checkpoint import digests, safe_dcp
 from plait.checkpoint.digests import damaged
-from plait.config import ConfigError, JobConfig
+from plait.config import CHECKPOINT_MANIFEST, ConfigError, JobConfig
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 
-MANIFEST = "plait.json"
+MANIFEST = CHECKPOINT_MANIFEST
 FORMAT = 1  # of the manifest and the state in it: a plait that reads an older format says so
 OWNER = "plait-job.json"  # at the root of checkpoint.folder: the job whose folder it is
 STEP_FOLDER = re.compile(r"step-(\d+)$")
@@ -69,7 +70,7 @@ def latest_complete(root: str) -> Path | None:
     return None
 
 
-def checkpoint_in(folder: Path, option: str) -> Path:
+def checkpoint_in(folder: Path, option: str, say: bool = True) -> Path:
     """`folder` where a checkpoint is expected. A job folder (a checkpoint.folder: plait-job.json or
     step-N folders, no manifest of its own) means its newest complete checkpoint, said in one line
     (by rank 0); one that holds none is refused, listing what it holds. Any other folder is itself."""
@@ -86,7 +87,7 @@ def checkpoint_in(folder: Path, option: str) -> Path:
         raise ConfigError(f"{option}: {folder} is a job folder without a complete checkpoint: it holds "
                           f"{', '.join(held)}; a run saves one at its last step, every checkpoint.interval steps, "
                           "and when a signal stops it")
-    if os.environ.get("RANK", "0") == "0":
+    if say and os.environ.get("RANK", "0") == "0":
         print(f"plait: {folder} is a job folder: using its newest complete checkpoint {newest}", file=sys.stderr,
               flush=True)
     return newest
@@ -125,8 +126,8 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
         raise ConfigError(f"{option}: {folder} was written by plait {manifest.get('plait')} in checkpoint format "
                           f"{manifest['format']}; this plait ({version('plait')}) reads formats up to {FORMAT}: "
                           "upgrade plait to resume it")
-    if saved_model(manifest) != asdict(args):
-        theirs, ours = saved_model(manifest), asdict(args)
+    theirs, ours = saved_model(manifest, folder, option), asdict(args)
+    if theirs != ours:
         diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in ours if theirs.get(k) != ours[k])
         raise ConfigError(f"{option}: {folder} holds another model ({manifest.get('flavor')}: {diff} in this run)")
     try:
@@ -135,10 +136,10 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
         raise ConfigError(f"{option}: {folder} is unreadable: {e}") from None
     saved = metadata.state_dict_metadata
     ends: dict[str, int] = {}  # each data file must reach the end of the last item stored in it
-    for info in (metadata.storage_data or {}).values():
-        if Path(info.relative_path).name != info.relative_path:
-            raise ConfigError(f"{option}: {folder}'s DCP metadata names {info.relative_path!r}, a file outside the "
-                              "folder: not a checkpoint plait (or DCP) writes")
+    stored = (metadata.storage_data or {}).values()
+    if stray := file_names.first_stray(folder, {info.relative_path for info in stored}):
+        raise ConfigError(f"{option}: {folder}'s DCP metadata names {stray}: not a checkpoint plait (or DCP) writes")
+    for info in stored:
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         size = (folder / name).stat().st_size if (folder / name).exists() else None
@@ -161,10 +162,21 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
     return manifest
 
 
-def saved_model(record: dict) -> dict:
+def manifest_model(manifest: dict, folder: Path, option: str) -> ModelArgs:
+    """The model a manifest records. A field this plait does not know means a newer plait wrote
+    it (a model this one cannot build): one line naming the field, not a TypeError."""
+    known = {f.name for f in fields(ModelArgs)}
+    if unknown := sorted(set(manifest["model_args"]) - known):
+        raise ConfigError(f"{option}: {folder} records the model field(s) {', '.join(unknown)}, which this plait "
+                          f"({version('plait')}) does not know: the checkpoint was written by a newer plait "
+                          f"({manifest.get('plait', 'version not recorded')}); upgrade plait to read it")
+    return ModelArgs(**manifest["model_args"])
+
+
+def saved_model(record: dict, path: Path, option: str) -> dict:
     """A manifest's (or owner file's) model_args with the fields added since it was written at
     their defaults: the same model reads as the same."""
-    return asdict(ModelArgs(**record["model_args"])) if "model_args" in record else {}
+    return asdict(manifest_model(record, path, option)) if "model_args" in record else {}
 
 
 def job_identity(cfg: JobConfig, args: ModelArgs, tokens_sha256: str) -> dict:
@@ -181,7 +193,8 @@ def check_owner(root: str, identity: dict) -> None:
     would delete each other's saves in flight as debris, prune each other's checkpoints and
     resume from each other's."""
     owner = _read_json(Path(root) / OWNER) if root else None
-    owner = {**owner, "model_args": saved_model(owner)} if owner is not None else None
+    if owner is not None:
+        owner = {**owner, "model_args": saved_model(owner, Path(root) / OWNER, "checkpoint.folder")}
     if owner is not None and owner != identity:
         differ = [f"{k} {owner.get(k)} vs {v}" if k != "model_args" else "model_args" for k, v in identity.items()
                   if owner.get(k) != v]

@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from plait import hf
 from plait.checks import check_options
 from plait.config import JobConfig, Parallelism
 from plait.data import build_tokenizer
@@ -28,6 +27,7 @@ from plait.doctor.machine import gather, peers_differ
 from plait.doctor.network import agree
 from plait.doctor.report import FAIL, PASS, WARN, Check, rank_list
 from plait.hardware import pick_device
+from plait.job_model import job_model
 from plait.models.masking import attention_kernel
 from plait.models.transformer import Transformer
 from plait.parallel.stages import microbatches
@@ -157,7 +157,7 @@ def job_state(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> dict[st
     """A state the size and shape of the job's checkpoint: each parameter and AdamW's two moments
     in fp32, split on dim 0 over the ranks as FSDP2 splits them, filled with random values (this
     rank's own) so that what is read back can be compared with what was written."""
-    args = hf.job_model(job, build_tokenizer(job.data).get_vocab_size())
+    args = job_model(job, build_tokenizer(job.data).get_vocab_size())
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in Transformer(args).named_parameters()}
     n, rank = mesh.size(), mesh.get_local_rank()

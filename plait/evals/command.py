@@ -57,8 +57,12 @@ def main(argv: list[str]) -> int:
     if not opts.tasks:
         raise ConfigError("tasks: give at least one task (a .jsonl file or a bundled name: sample)")
     model, tokenizer = load(Path(opts.checkpoint))
+    positions = model.args.max_seq_len  # its RoPE table's length: a longer window fails in the first long forward
+    if opts.max_length > positions:
+        raise ConfigError(f"max_length: {opts.max_length} is beyond the model's {positions} positions; allowed: "
+                          f"1..{positions} (0 = the model's)")
     model.to(getattr(torch, opts.dtype))
-    window = opts.max_length or model.args.max_seq_len
+    window = opts.max_length or positions
     chosen = Eval(tasks=opts.tasks, limit=opts.limit, num_fewshot=opts.num_fewshot,
                   target_delimiter=opts.target_delimiter, fewshot_delimiter=opts.fewshot_delimiter)
     suite = TaskSuite(chosen, window, tokenizer, eos_id(tokenizer, "checkpoint"), options="",

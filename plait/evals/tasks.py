@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from plait import jsonl
 from plait.config import ConfigError
 
 BUNDLED = {"sample": Path(__file__).with_name("sample.jsonl")}
@@ -58,10 +59,7 @@ def load_task(spec: str, option: str = "eval.tasks") -> Task:
     path = BUNDLED.get(spec, Path(spec))
     if spec not in BUNDLED and (path.suffix != ".jsonl" or not path.is_file()):
         raise ConfigError(f"{option}: {spec!r} is neither a .jsonl file nor a bundled task {sorted(BUNDLED)}")
-    examples = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            examples.append(_example(line, f"{option}: {path}:{n}"))
+    examples = [_example(line, f"{option}: {path}:{n}") for n, line in jsonl.lines(path)]
     if not examples:
         raise ConfigError(f"{option}: {path} holds no example")
     return Task(spec if spec in BUNDLED else path.stem, examples)

@@ -1,6 +1,6 @@
 """Hugging Face interchange: Llama-family folders (config.json, safetensors, tokenizer) in and out."""
 
-from plait.hf.config import is_hf_folder, job_model, model_args, read_config
+from plait.hf.config import is_hf_folder, model_args, read_config
 from plait.hf.weights import HFWeights, check
 
-__all__ = ["HFWeights", "check", "is_hf_folder", "job_model", "model_args", "read_config"]
+__all__ = ["HFWeights", "check", "is_hf_folder", "model_args", "read_config"]

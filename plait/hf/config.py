@@ -17,14 +17,18 @@ import torch
 
 from plait.config import ConfigError
 from plait.hf.deepseek import deepseek_fields, deepseek_switches, holds_mtp
-from plait.hf.defaults import DEFAULTS, ROPE_SCALING, setting
+from plait.hf.defaults import ROPE_SCALING
+from plait.hf.fields import Fields, family_fields, is_number
 from plait.models.flavors import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                "yarn": ("factor", "original_max_position_embeddings")}
-# Fields a scaling type may set and otherwise defaults (plait/models/rope.py has the defaults)
-ROPE_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
+# Fields a scaling type may set and otherwise defaults (plait/models/rope.py has the defaults);
+# mscale_all_dim under any type: DeepSeek-V3's softmax scale (`softmax_scale`) takes it from each.
+ROPE_OPTIONAL = {"linear": ("mscale_all_dim",), "llama3": ("mscale_all_dim",),
+                 "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
+ROPE_OBJECT = "an object (rope_type and its fields) or null"
 
 
 def is_hf_folder(folder: Path) -> bool:
@@ -39,27 +43,35 @@ def read_config(folder: Path, option: str) -> dict:
 
 
 def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) from either layout; scaling None, or {"rope_type", its fields}."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    if "rope_scaling" not in config and "rope_parameters" not in config:
-        scaling = ROPE_SCALING.get(family, {})
-    # rope_parameters' theta first: given both, transformers 5 takes it
-    theta = float(params.get("rope_theta") or config.get("rope_theta") or DEFAULTS[family]["rope_theta"])
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    """(rope_theta, scaling) as transformers reads them; scaling None, or {"rope_type", its fields}.
+    The scaling is rope_scaling's, else rope_parameters' (transformers 5's layout), else, both null or
+    left out, the family's default; rope_theta is that object's, else the top-level one, else the family's."""
+    fields = family_fields(config, family, where)
+    name = "rope_scaling" if fields.table("rope_scaling", ROPE_OBJECT) else "rope_parameters"
+    scaling = fields.table(name, ROPE_OBJECT)
+    if scaling is None:
+        scaling, name = dict(ROPE_SCALING.get(family, {})), "rope_scaling"
+    rope = Fields(scaling, where, nullable={f for kind in ROPE_OPTIONAL.values() for f in kind}, name=name)
+    theta = rope.number("rope_theta") if rope.has("rope_theta") else fields.number("rope_theta")
+    kind = rope.text("rope_type" if rope.has("rope_type") else "type") or "default"
+    for holder in (rope, fields):  # (transformers moves a top-level one into the RoPE object)
+        if holder.has("partial_rotary_factor") and holder.number("partial_rotary_factor") != 1.0:
+            raise ConfigError(f"{where}: partial_rotary_factor {holder.config['partial_rotary_factor']}: plait rotates "
+                              "every pair of a head; allowed: 1.0")
     if kind == "default":
         return theta, None
     if kind not in ROPE_FIELDS:
         raise ConfigError(f"{where}: RoPE scaling '{kind}' is not supported; plait implements default, "
                           f"{', '.join(ROPE_FIELDS)}")
-    missing = [f for f in ROPE_FIELDS[kind] if f not in scaling]
+    missing = [f for f in ROPE_FIELDS[kind] if not rope.has(f)]
     if missing:
         raise ConfigError(f"{where}: RoPE scaling '{kind}' lacks {', '.join(missing)}")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']}: plait rotates every "
-                          "pair of a head; allowed: 1.0")
-    optional = {f: scaling[f] for f in ROPE_OPTIONAL.get(kind, ()) if scaling.get(f) is not None}
-    return theta, {"rope_type": kind, **{f: scaling[f] for f in ROPE_FIELDS[kind]}, **optional}
+    numbers = {f: rope.typed(f, is_number, "a number") for f in (*ROPE_FIELDS[kind], *ROPE_OPTIONAL.get(kind, ()))
+               if f != "truncate"}
+    # A null optional field is left out, as transformers reads it; but truncate, which it reads as
+    # .get("truncate", True): null is false.
+    optional = {"truncate": bool(rope.flag("truncate"))} if kind == "yarn" and rope.has("truncate") else {}
+    return theta, {"rope_type": kind, **{f: v for f, v in numbers.items() if v is not None}, **optional}
 
 
 # model_type -> the architecture transformers builds for it. Each is Llama with switches.
@@ -77,113 +89,112 @@ UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_soft
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
-def family_switches(config: dict, family: str, where: str) -> dict:
+def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
     """The ModelArgs switches a family's config.json sets."""
-    attention_bias = bool(setting(config, family, "attention_bias"))
-    switches = {"qkv_bias": attention_bias, "out_bias": attention_bias,
-                "ffn_bias": bool(setting(config, family, "mlp_bias"))}
+    attention_bias = bool(fields.flag("attention_bias"))
+    switches = {"qkv_bias": attention_bias, "out_bias": attention_bias, "ffn_bias": bool(fields.flag("mlp_bias"))}
     if family == "qwen2":  # biases on q, k and v always, none on the output projection
         switches |= {"qkv_bias": True, "out_bias": False}
     if family in ("qwen3", "qwen3_moe"):
         switches["qk_norm"] = "head"
     if family == "qwen3_moe":  # a block is sparse unless listed in mlp_only_layers or off decoder_sparse_step
-        step = setting(config, family, "decoder_sparse_step")
-        dense = set(setting(config, family, "mlp_only_layers") or [])
-        experts = config.get("num_experts") or config["num_local_experts"]  # (transformers 4's name, and 5's)
-        switches |= {"n_experts": experts, "top_k": setting(config, family, "num_experts_per_tok"),
-                     "moe_hidden": config["moe_intermediate_size"],
-                     "normalize_top_k": bool(setting(config, family, "norm_topk_prob")),
-                     "dense_layers": tuple(i for i in range(config["num_hidden_layers"])
-                                           if i in dense or (i + 1) % step)}
+        step = fields.integer("decoder_sparse_step")
+        dense = set(fields.integers("mlp_only_layers") or [])
+        # (transformers 4's name, and 5's)
+        experts = fields.integer("num_experts" if fields.has("num_experts") else "num_local_experts", required=True)
+        switches |= {"n_experts": experts, "top_k": fields.integer("num_experts_per_tok"),
+                     "moe_hidden": fields.integer("moe_intermediate_size", required=True),
+                     "normalize_top_k": fields.flag("norm_topk_prob"),
+                     "dense_layers": tuple(i for i in range(n_layers) if i in dense or (i + 1) % step)}
     if family == "olmo2":
         switches |= {"qk_norm": "projection", "post_norm": True}
     if family == "smollm3":
-        switches["nope_layers"] = nope_layers(config, family)
+        switches["nope_layers"] = nope_layers(fields, n_layers)
     if family == "gpt_oss":  # every block sparse, biased experts and router, the clamped SwiGLU, sinks
-        switches |= {"n_experts": config["num_local_experts"], "top_k": setting(config, family, "num_experts_per_tok"),
-                     "moe_hidden": config["intermediate_size"], "expert_bias": True, "router_bias": True,
-                     "swiglu_limit": number(config, family, "swiglu_limit", family),
-                     "swiglu_alpha": number(config, family, "swiglu_alpha", family), "attention_sinks": True}
+        switches |= {"n_experts": fields.integer("num_local_experts", required=True),
+                     "top_k": fields.integer("num_experts_per_tok"),
+                     "moe_hidden": fields.integer("intermediate_size", required=True), "expert_bias": True,
+                     "router_bias": True, "swiglu_limit": fields.number("swiglu_limit"),
+                     "swiglu_alpha": fields.number("swiglu_alpha"), "attention_sinks": True}
     if family == "deepseek_v3":
-        switches |= deepseek_switches(config, family, where)
+        switches |= deepseek_switches(fields)
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
-        switches |= {"n_experts": config["num_local_experts"],
-                     "top_k": setting(config, family, "num_experts_per_tok"), "moe_hidden": config["intermediate_size"]}
-    return switches | window_switches(config, family)
+        switches |= {"n_experts": fields.integer("num_local_experts", required=True),
+                     "top_k": fields.integer("num_experts_per_tok"),
+                     "moe_hidden": fields.integer("intermediate_size", required=True)}
+    return switches | window_switches(fields, family, n_layers)
 
 
-def nope_layers(config: dict, family: str) -> tuple[int, ...]:
+def nope_layers(fields: Fields, n_layers: int) -> tuple[int, ...]:
     """SmolLM3's blocks without RoPE: no_rope_layers (1 = this block uses RoPE), else every
     no_rope_layer_interval-th block."""
-    interval, rope = setting(config, family, "no_rope_layer_interval"), setting(config, family, "no_rope_layers")
+    interval, rope = fields.integer("no_rope_layer_interval"), fields.integers("no_rope_layers", n_layers)
     if rope is None:
-        rope = [(i + 1) % interval != 0 for i in range(config["num_hidden_layers"])]
+        rope = [(i + 1) % interval != 0 for i in range(n_layers)]
     return tuple(i for i, uses_rope in enumerate(rope) if not uses_rope)
 
 
-def window_switches(config: dict, family: str) -> dict:
+def window_switches(fields: Fields, family: str, n_layers: int) -> dict:
     """sliding_window and full_layers as transformers reads them: Mistral and Mixtral slide in
     every block whenever sliding_window is set; Qwen and SmolLM3 only with use_sliding_window,
     in the blocks layer_types names (Qwen's default: from max_window_layers on; SmolLM3's: the
     blocks without RoPE); Qwen3-MoE in every block; gpt-oss in the blocks layer_types names
     (default: every other block from the first)."""
-    window = setting(config, family, "sliding_window")
-    if family not in ("mistral", "mixtral", "gpt_oss") and not setting(config, family, "use_sliding_window"):
-        window = None
+    if family not in ("mistral", "mixtral", "gpt_oss") and not fields.flag("use_sliding_window"):
+        return {}
+    window = fields.integer("sliding_window", minimum=0)
+    if window is None and fields.has("sliding_window") and family not in ("mistral", "mixtral"):
+        # (null where transformers' model then slides: it fails on it)
+        fields.refuse("sliding_window", "an integer >= 1", " with use_sliding_window true")
     if not window:
         return {}
-    layers = range(config["num_hidden_layers"])
-    types = setting(config, family, "layer_types")
+    layers = range(n_layers)
+    types = fields.texts("layer_types", n_layers)
     if types is None and family in ("qwen2", "qwen3"):
-        types = ["full_attention" if i < setting(config, family, "max_window_layers") else "sliding_attention"
+        types = ["full_attention" if i < fields.integer("max_window_layers", minimum=0) else "sliding_attention"
                  for i in layers]
     if types is None and family == "gpt_oss":
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers]
     if types is None and family == "smollm3":
-        types = ["sliding_attention" if i in nope_layers(config, family) else "full_attention" for i in layers]
+        types = ["sliding_attention" if i in nope_layers(fields, n_layers) else "full_attention" for i in layers]
     full = tuple(i for i in layers if types is not None and types[i] != "sliding_attention")
-    return {"sliding_window": int(window), "full_layers": full}
-
-
-def number(config: dict, family: str, field: str, where: str) -> float:
-    """A field that must be a number (null or text in config.json: one line, not a TypeError)."""
-    value = setting(config, family, field)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where} sets {field} {json.dumps(value)}; allowed: a number")
-    return float(value)
+    return {"sliding_window": window, "full_layers": full}
 
 
 def model_args(folder: Path, option: str) -> ModelArgs:
     """The model a Hugging Face folder holds, from its config.json."""
     config, where = read_config(folder, option), f"{option}: {folder / 'config.json'}"
-    family = ALIASES.get(config.get("model_type"), config.get("model_type"))
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where} holds no JSON object of fields")
+    model_type = config.get("model_type")
+    family = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else None
     if family not in FAMILIES:
-        raise ConfigError(f"{where} holds a model_type {family!r} model; plait reads {', '.join(FAMILIES)}")
+        raise ConfigError(f"{where} holds a model_type {model_type!r} model; plait reads {', '.join(FAMILIES)}")
     # (left out, each is unset in every family: the defaults table has those that are not expert counts)
     for field, what in UNSUPPORTED.items():
         if config.get(field) and not (family in MOE_FAMILIES and what == "mixture of experts"):
             raise ConfigError(f"{where} sets {field} ({what}), which plait does not compute; allowed: unset, "
                               "null or false")
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
+    fields = family_fields(config, family, where)
+    quantization = fields.table("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?")
         raise ConfigError(f"{where} holds quantized weights ({method}); plait reads them dequantized: with "
                           "transformers, from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True)) "
                           "then save_pretrained")
-    if setting(config, family, "hidden_act") != "silu":
+    if fields.text("hidden_act", "'silu'") != "silu":
         raise ConfigError(f"{where} sets hidden_act {config['hidden_act']!r}; allowed: 'silu'")
     theta, scaling = rope_settings(config, family, where)
-    try:  # (sizes have no default: a missing one is refused by name)
-        heads = config["num_attention_heads"]
-        args = ModelArgs(dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
-                         n_kv_heads=setting(config, family, "num_key_value_heads") or heads,
-                         vocab_size=config["vocab_size"], ffn_hidden=config["intermediate_size"],
-                         head_dim=setting(config, family, "head_dim") or config["hidden_size"] // heads,
-                         norm_eps=number(config, family, "rms_norm_eps", where), rope_theta=theta,
-                         rope_scaling=scaling, max_seq_len=setting(config, family, "max_position_embeddings"),
-                         tie_embeddings=bool(setting(config, family, "tie_word_embeddings")), family=family,
-                         **family_switches(config, family, where))
-    except KeyError as e:
-        raise ConfigError(f"{where} lacks {e.args[0]}") from None
+    # (sizes have no default: a missing one is refused by name)
+    dim, heads = fields.integer("hidden_size", required=True), fields.integer("num_attention_heads", required=True)
+    n_layers = fields.integer("num_hidden_layers", required=True)
+    args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=fields.integer("num_key_value_heads") or heads,
+                     vocab_size=fields.integer("vocab_size", required=True),
+                     ffn_hidden=fields.integer("intermediate_size", required=True),
+                     head_dim=fields.integer("head_dim") or dim // heads, norm_eps=fields.number("rms_norm_eps"),
+                     rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer("max_position_embeddings"),
+                     tie_embeddings=fields.flag("tie_word_embeddings"), family=family,
+                     **family_switches(fields, family, n_layers))
     # DeepSeek-V3's MTP module, where the folder holds its weights (transformers' saves do not)
     return replace(args, mtp_layers=args.mtp_layers * holds_mtp(folder, args.n_layers)) if args.mtp_layers else args
 
@@ -208,7 +219,9 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_seq_len,
+        # (null would read as the family's default scaling: gpt-oss's YaRN)
+        "rope_scaling": args.rope_scaling or ({"rope_type": "default"} if args.family in ROPE_SCALING else None),
+        "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if args.family not in ("qwen2", "gpt_oss", "deepseek_v3"):
@@ -279,54 +292,3 @@ def describe_difference(theirs: ModelArgs, ours: ModelArgs) -> str:
     """The fields that make two models compute differently ('' when they are one model)."""
     a, b = vars(theirs), vars(ours)
     return ", ".join(f"{k} {a[k]} vs {b[k]}" for k in b if a[k] != b[k] and k not in NOTATION)
-
-
-def job_model(cfg, tokenizer_vocab: int) -> ModelArgs:
-    """The run's model: the config.json of a Hugging Face folder given as checkpoint.load (a
-    model.flavor or model.n_layers given as well must agree with it), else model.flavor's shape."""
-    from plait.config import hf_folder
-    from plait.models.flavors import model_args as flavor_args
-
-    folder = hf_folder(cfg)
-    if folder is None:
-        args = flavor_args(cfg.model.flavor.replace("auto", "debug"), tokenizer_vocab, cfg.model.n_layers)
-        args = replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings,
-                       max_seq_len=cfg.model.max_seq_len or args.max_seq_len)
-        if cfg.model.mtp_layers >= 0:
-            args = replace(args, mtp_layers=cfg.model.mtp_layers)
-        if cfg.model.sliding_window:
-            if not set(cfg.model.full_layers) <= set(range(args.n_layers)):
-                raise ConfigError(f"model.full_layers: {list(cfg.model.full_layers)}, but the model has blocks 0 to "
-                                  f"{args.n_layers - 1}")
-            args = replace(args, sliding_window=cfg.model.sliding_window, full_layers=tuple(cfg.model.full_layers))
-        return args
-    args = model_args(folder, "checkpoint.load")
-    if cfg.model.tie_embeddings and not args.tie_embeddings:
-        raise ConfigError(f"model.tie_embeddings: {folder} has an output layer of its own (tie_word_embeddings false)")
-    if cfg.model.flavor != "auto":
-        flavor = replace(flavor_args(cfg.model.flavor, args.vocab_size, cfg.model.n_layers),  # a flavor names a
-                         tie_embeddings=args.tie_embeddings, mtp_layers=args.mtp_layers)  # shape, not these
-        if describe_difference(flavor, args):
-            raise ConfigError(f"model.flavor: {cfg.model.flavor} is not the model of {folder} "
-                              f"({describe_difference(flavor, args)} in its config.json); leave model.flavor out to "
-                              "train the folder's model")
-    if cfg.model.max_seq_len not in (0, args.max_seq_len):
-        raise ConfigError(f"model.max_seq_len: {cfg.model.max_seq_len}, but {folder} takes {args.max_seq_len} "
-                          f"positions (max_position_embeddings); allowed: 0 or {args.max_seq_len}")
-    if cfg.model.sliding_window and (cfg.model.sliding_window, tuple(cfg.model.full_layers)) != \
-            (args.sliding_window, args.full_layers):
-        raise ConfigError(f"model.sliding_window: {folder}'s config.json sets the windows (sliding_window "
-                          f"{args.sliding_window}, full blocks {list(args.full_layers)}); allowed: 0, or the same")
-    if cfg.model.mtp_layers == 0:  # (trained without the folder's MTP module; an export then has none)
-        args = replace(args, mtp_layers=0)
-    elif cfg.model.mtp_layers > args.mtp_layers:
-        raise ConfigError(f"model.mtp_layers: {cfg.model.mtp_layers}, but {folder} holds no multi-token prediction "
-                          "weights; allowed: -1 or 0")
-    if cfg.model.n_layers not in (0, args.n_layers):
-        raise ConfigError(f"model.n_layers: {cfg.model.n_layers}, but {folder} has {args.n_layers} blocks; allowed: "
-                          f"0 or {args.n_layers}")
-    if tokenizer_vocab > args.vocab_size:
-        raise ConfigError(f"data.tokenizer: has {tokenizer_vocab} tokens, more than the {args.vocab_size} embeddings "
-                          f"of {folder}: token ids past {args.vocab_size - 1} would have no embedding; use the "
-                          "folder's own tokenizer")
-    return args

@@ -11,45 +11,44 @@ from pathlib import Path
 from safetensors import safe_open
 
 from plait.config import ConfigError
-from plait.hf.defaults import setting
+from plait.hf.fields import Fields, is_int
 from plait.models.flavors import ModelArgs
 
 # DeepSeek's remote-code fields: the one value transformers' DeepseekV3 computes
 REMOTE_FIELDS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
 
-def deepseek_switches(config: dict, family: str, where: str) -> dict:
+def deepseek_switches(fields: Fields) -> dict:
     """The ModelArgs switches of a deepseek_v3 config.json."""
+    config, where = fields.config, fields.where
     for field, allowed in REMOTE_FIELDS.items():
         if config.get(field, allowed) != allowed:
             raise ConfigError(f"{where} sets {field} {config[field]!r}, which transformers' DeepseekV3 does not "
                               f"compute; allowed: {allowed!r}")
-    if not setting(config, family, "rope_interleave"):
-        raise ConfigError(f"{where} sets rope_interleave false (RoPE over halves of the rope entries); plait reads "
-                          "DeepSeek's interleaved pairs; allowed: true")
-    mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 1)) or 0  # (transformers: 1)
-    if mtp > 1:
-        raise ConfigError(f"{where} sets num_nextn_predict_layers {mtp}; plait trains DeepSeek-V3's one MTP module; "
+    if not fields.flag("rope_interleave"):
+        raise ConfigError(f"{where} sets rope_interleave {json.dumps(config['rope_interleave'])} (RoPE over halves of "
+                          "the rope entries); plait reads DeepSeek's interleaved pairs; allowed: true")
+    mtp_field = "num_mtp_layers" if "num_mtp_layers" in config and "num_nextn_predict_layers" not in config else \
+        "num_nextn_predict_layers"
+    mtp = config.get(mtp_field, 1)  # (transformers: 1; null: none, as transformers, which computes none, reads it)
+    if mtp is not None and not (is_int(mtp) and 0 <= mtp <= 1):
+        raise ConfigError(f"{where} sets {mtp_field} {json.dumps(mtp)}; plait trains DeepSeek-V3's one MTP module; "
                           "allowed: 0 or 1")
-    groups, top_groups = setting(config, family, "n_group") or 1, setting(config, family, "topk_group") or 1
-    experts, top_k = config.get("n_routed_experts"), setting(config, family, "num_experts_per_tok")
-    if groups > 1 and experts and (experts % groups or experts // groups < 2 or not 1 <= top_groups <= groups
-                                   or top_k > top_groups * (experts // groups)):
+    groups, top_groups = fields.integer("n_group"), fields.integer("topk_group")
+    experts, top_k = fields.integer("n_routed_experts", required=True), fields.integer("num_experts_per_tok")
+    if groups > 1 and (experts % groups or experts // groups < 2 or not 1 <= top_groups <= groups
+                       or top_k > top_groups * (experts // groups)):
         raise ConfigError(f"{where} sets n_group {groups}, topk_group {top_groups} for {experts} experts of which "
                           f"{top_k} are chosen; allowed: n_group dividing the experts into groups of at least 2, "
                           "topk_group at most n_group, and the chosen groups holding at least num_experts_per_tok")
-    return {"q_lora_rank": setting(config, family, "q_lora_rank") or 0,
-            "kv_lora_rank": setting(config, family, "kv_lora_rank"),
-            "qk_nope_head_dim": setting(config, family, "qk_nope_head_dim"),
-            "qk_rope_head_dim": setting(config, family, "qk_rope_head_dim"),
-            "v_head_dim": setting(config, family, "v_head_dim"),
-            "n_experts": config["n_routed_experts"], "top_k": top_k,
-            "moe_hidden": config["moe_intermediate_size"], "router": "sigmoid",
-            "n_shared_experts": setting(config, family, "n_shared_experts"),
-            "route_scale": float(setting(config, family, "routed_scaling_factor")),
-            "normalize_top_k": bool(setting(config, family, "norm_topk_prob")),
-            "mtp_layers": mtp, "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0,
-            "dense_layers": tuple(range(setting(config, family, "first_k_dense_replace")))}
+    return {"q_lora_rank": fields.integer("q_lora_rank", minimum=0) or 0,
+            "kv_lora_rank": fields.integer("kv_lora_rank"), "qk_nope_head_dim": fields.integer("qk_nope_head_dim"),
+            "qk_rope_head_dim": fields.integer("qk_rope_head_dim"), "v_head_dim": fields.integer("v_head_dim"),
+            "n_experts": experts, "top_k": top_k, "moe_hidden": fields.integer("moe_intermediate_size", required=True),
+            "router": "sigmoid", "n_shared_experts": fields.integer("n_shared_experts", minimum=0),
+            "route_scale": fields.number("routed_scaling_factor"), "normalize_top_k": bool(fields.flag("norm_topk_prob")),
+            "mtp_layers": mtp or 0, "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0,
+            "dense_layers": tuple(range(fields.integer("first_k_dense_replace", minimum=0)))}
 
 
 def holds_mtp(folder: Path, n_layers: int) -> bool:

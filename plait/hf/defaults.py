@@ -1,8 +1,9 @@
 """What a Hugging Face config.json means by a field it leaves out: the default of transformers'
-config class for its model_type, which differs by family (OLMo 2's rms_norm_eps is 1e-5, Qwen3-MoE
-does not renormalise its top k, SmolLM3 is tied with rope_theta 2e6). plait reads folders without
-transformers installed, so the defaults are written down here; tests/test_families.py checks every
-entry against transformers' classes, so the table cannot drift from them.
+config class for its model_type (and, NULLABLE, by a field set to null), which differs by family
+(OLMo 2's rms_norm_eps is 1e-5, Qwen3-MoE does not renormalise its top k, SmolLM3 is tied with
+rope_theta 2e6). plait reads folders without transformers installed, so the defaults are written
+down here; tests/test_families.py checks every entry against transformers' classes, so the table
+cannot drift from them.
 """
 
 # The fields plait fills in when left out. A family's table holds those its transformers config
@@ -62,8 +63,17 @@ DEFAULTS = {
 ROPE_SCALING = {"gpt_oss": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}
 
-
-def setting(config: dict, family: str, field: str):
-    """config.json's `field`, else the family's default (None: the family has no such field)."""
-    assert field in READ, field  # (a field read past the table would take no family's default)
-    return config[field] if field in config else DEFAULTS[family].get(field)
+# The fields whose null a family's config class takes (typed `X | None`) and its model runs on:
+# null there is unset, derived as above or off (norm_topk_prob, rope_interleave: false; q_lora_rank:
+# one query projection; sliding_window: no window). Null anywhere else is refused (plait/hf/fields.py):
+# transformers refuses it, or fails on it (gpt-oss's sliding_window; DeepSeek-V3's num_experts_per_tok,
+# v_head_dim, n_group, topk_group, first_k_dense_replace). tests/test_families.py checks the table
+# against transformers' classes. (rope_scaling and rope_parameters: null is left out in every family.)
+QWEN_NULLABLE = {"num_key_value_heads", "sliding_window", "layer_types"}
+NULLABLE = {
+    "llama": {"num_key_value_heads", "head_dim"}, "mistral": {"head_dim", "sliding_window"},
+    "qwen2": QWEN_NULLABLE, "qwen3": QWEN_NULLABLE, "olmo2": {"num_key_value_heads"},
+    "smollm3": QWEN_NULLABLE | {"no_rope_layers"}, "qwen3_moe": {"sliding_window", "mlp_only_layers"},
+    "gpt_oss": {"layer_types"}, "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},
+    "mixtral": {"head_dim", "sliding_window"},
+}

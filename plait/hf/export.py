@@ -9,13 +9,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from plait.checkpoint.manifest import check_compatible, checkpoint_in, read_manifest
+from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, read_manifest
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.config import hf_config
 from plait.hf.weights import write_weights
-from plait.models.flavors import ModelArgs
 
 
 def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
@@ -25,7 +24,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: 
     manifest = read_manifest(folder)
     if manifest is None:
         raise ConfigError(f"checkpoint: {folder} is not a complete plait checkpoint")
-    args = ModelArgs(**manifest["model_args"])
+    args = manifest_model(manifest, folder, "checkpoint")
     check_compatible(folder, args, "checkpoint")
     state = load_full_state_dict(folder, args, "checkpoint")
     tokenizer = None

@@ -56,6 +56,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from plait.config import ConfigError
+from plait.file_names import first_stray
 from plait.hf.config import describe_difference
 from plait.hf.config import model_args as hf_model_args
 from plait.models.flavors import ModelArgs
@@ -219,6 +220,11 @@ def weight_files(folder: Path, option: str) -> dict[str, Path]:
             weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError) as e:
             raise ConfigError(f"{option}: {folder / INDEX} is unreadable: {e}") from None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{option}: {folder / INDEX}'s weight_map is not an object of tensor name -> file name")
+        # follow_links: a hub snapshot's shards are links into its blob store
+        if stray := first_stray(folder, weight_map.values(), follow_links=True):
+            raise ConfigError(f"{option}: {folder / INDEX} names {stray}; its shards must be files of the folder")
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
             raise ConfigError(f"{option}: {folder / INDEX} lists {len(missing)} shard(s) that are not in the folder: "
@@ -234,17 +240,32 @@ def weight_files(folder: Path, option: str) -> dict[str, Path]:
 
 
 def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
-    """Fail with one line unless `folder` holds the model `args` and every weight of it; reads
+    """Fail with one line unless `folder` holds the model `args`, every weight of it and no other
+    (a weight left unread would be another model's: a config.json that drops a part of it); reads
     the config and the safetensors headers only. Returns the weight files."""
     theirs = hf_model_args(folder, option)
     differ = describe_difference(replace(theirs, mtp_layers=min(theirs.mtp_layers, args.mtp_layers)), args)
     if differ:
         raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
-    missing = [hf for n in parameter_names(args) + buffer_names(args) for hf in hf_names(n, args) if hf not in present]
+    used = [hf for n in parameter_names(args) + buffer_names(args) for hf in hf_names(n, args)]
+    missing = [hf for hf in used if hf not in present]
     if missing:
         raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    unused = sorted(set(present) - set(used) - {name for name in present if no_weight(name, args)})
+    if unused:
+        raise ConfigError(f"{option}: {folder} holds {len(unused)} tensor(s) that the model of its config.json does "
+                          f"not use: {unused[:3]}{' ...' if len(unused) > 3 else ''}")
     return present
+
+
+def no_weight(name: str, args: ModelArgs) -> bool:
+    """A tensor of a folder that is none of its model's weights, which transformers leaves unread
+    too: a RoPE table (older folders; plait computes its own), and DeepSeek-V3's layers past the
+    model's (an MTP module the run leaves out, the MTP module's copies of the embedding and output)."""
+    layer = LAYER.match(name.removeprefix("model."))
+    return name.endswith(".rotary_emb.inv_freq") or (args.family == "deepseek_v3" and layer is not None
+                                                      and int(layer.group(1)) >= args.n_layers)
 
 
 def parameter_names(args: ModelArgs) -> list[str]:

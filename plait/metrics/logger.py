@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from plait.hardware import Peak
+from plait.jsonl import lines as jsonl_lines
 from plait.metrics import summary as run_summary
 from plait.metrics.tensorboard_events import drop_events_after
 
@@ -80,8 +81,8 @@ class MetricsLogger:
         if jsonl:
             path = Path(jsonl)
             path.parent.mkdir(parents=True, exist_ok=True)
-            kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
-                    if line.strip() and json.loads(line)["step"] <= resumed_step]
+            kept = [line for _, line in (jsonl_lines(path) if path.exists() else [])
+                    if json.loads(line)["step"] <= resumed_step]
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import tyro
 
+from plait import jsonl
 from plait.arguments import parse
 from plait.config import ConfigError
 
@@ -43,12 +44,16 @@ def read_rows(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"files: {path} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ConfigError(f"files: {path} line {number} is not JSON: is it a metrics.jsonl?") from None
+    for number, line in jsonl.lines(path):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"files: {path} line {number} is not JSON: is it a metrics.jsonl?") from None
+        # every row is drawn against its step (a validation set's documents, say, have none)
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
+            raise ConfigError(f"files: {path} line {number} is not a row of metrics (a JSON object with a whole-number "
+                              "step): is it a metrics.jsonl?")
+        rows.append(row)
     return rows
 
 

@@ -71,9 +71,10 @@ def yarn_mscale(factor: float, weight: float = 1.0) -> float:
 
 
 def softmax_scale(head_dim: int, scaling: dict | None) -> float:
-    """DeepSeek's attention scale: 1/sqrt(head_dim), under YaRN with mscale_all_dim times
-    yarn_mscale(factor, mscale_all_dim) squared (q and k's share of it, which the table leaves out)."""
-    weight = (scaling or {}).get("mscale_all_dim") if (scaling or {}).get("rope_type") == "yarn" else None
+    """DeepSeek's attention scale: 1/sqrt(head_dim), under any RoPE scaling with mscale_all_dim times
+    yarn_mscale(factor, mscale_all_dim) squared (q and k's share of it, which the table leaves out).
+    Any scaling, not YaRN's alone: transformers' DeepseekV3 (yarn_apply_mscale) scales under each."""
+    weight = (scaling or {}).get("mscale_all_dim")
     return head_dim ** -0.5 * (yarn_mscale(scaling["factor"], weight) ** 2 if weight else 1.0)
 
 

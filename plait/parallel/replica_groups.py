@@ -19,6 +19,7 @@ gradient shard, in the reduce dtype, where HSDP's replicate all-reduce would run
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -159,15 +160,48 @@ class ReplicaGroups:
         if self.manager is None:
             yield from range(done + 1, last + 1)
             return
+        first = True
         while self.manager.current_step() < last:  # (not one more quorum after the last step: nobody may come)
             behind, asked = self.manager.current_step(), time.perf_counter()
             self.manager.start_quorum()
+            if first:
+                asked, first = self._gather(behind, asked), False
             self.waited = time.perf_counter() - asked
             step = self.manager.current_step() + 1
             self.healed = step - 1 != behind
             if step > last:
                 return
             yield step
+
+    POLL_SECONDS = 0.25  # between a waiting group's quorums (each of a lone group's returns at once)
+
+    def _gather(self, behind: int, asked: float) -> float:
+        """This group's first quorum takes every group (a whole job that starts or restarts from its
+        checkpoints starts together, as an uninterrupted run would go on: a quorum of min_replicas
+        would let the first group up train alone): the quorum is asked again until it holds every
+        group, or healed this one (the others are ahead: a running job this group rejoins), or
+        quorum_timeout_seconds have passed (then it goes on with the groups there, at least
+        min_replicas; the others heal from them when they come). Returns when the last quorum was
+        asked. (A count of polls, not a clock: every rank of the group decides alike.)"""
+        ft, manager = self.cfg.fault_tolerance, self.manager
+        polls = math.ceil(ft.quorum_timeout_seconds / self.POLL_SECONDS)
+        for poll in range(polls + 1):
+            if manager.num_participants() >= ft.groups or manager.current_step() != behind:
+                return asked
+            if poll == polls:
+                break
+            if poll == 0 and dist.get_rank() == 0:
+                print(f"plait: replica group {ft.replica_id} waits for every replica group at its first step "
+                      f"({manager.num_participants()} of {ft.groups} here; up to fault_tolerance."
+                      f"quorum_timeout_seconds, {ft.quorum_timeout_seconds} s)", flush=True)
+            time.sleep(self.POLL_SECONDS)
+            asked = time.perf_counter()
+            manager.start_quorum()
+        if dist.get_rank() == 0:
+            print(f"plait: warning: replica group {ft.replica_id}: {manager.num_participants()} of {ft.groups} groups "
+                  f"came within {ft.quorum_timeout_seconds} s (fault_tolerance.quorum_timeout_seconds); going on "
+                  f"with them (min_replicas {ft.min_replicas}): the others heal from them when they come", flush=True)
+        return asked
 
     def commit(self) -> bool:
         """Whether the step may update the weights: every group of its quorum finished its all-reduces."""

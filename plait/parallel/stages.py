@@ -5,7 +5,7 @@ pp never import `torch.distributed.pipelining` (0.6 s at every start-up)."""
 
 from __future__ import annotations
 
-from plait.config import ConfigError, JobConfig, dp_degree, hf_folder
+from plait.config import ConfigError, JobConfig, dp_degree, start_folder
 from plait.models.flavors import FLAVORS
 
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
@@ -63,16 +63,16 @@ def check_pipeline(cfg: JobConfig) -> None:
     if p.pp_schedule.startswith("interleaved") and m % max(1, m // p.pp):
         raise ConfigError(f"parallelism.pp_microbatches: {p.pp_schedule} runs micro-batches in rounds of pp ({p.pp}); "
                           f"got {m}, allowed: a multiple of {p.pp} or fewer than {2 * p.pp}")
-    hf_start = hf_folder(cfg)
-    if hf_start is not None:
-        from plait import hf
+    start = start_folder(cfg)
+    if start is not None:  # (imported here: the model's files are read only for a pipeline)
+        from plait.job_model import folder_model
 
-        shape = hf.model_args(hf_start, "checkpoint.load")
+        shape = folder_model(start, "checkpoint.load")
     else:
         shape = FLAVORS[cfg.model.flavor]
     if shape.tie_embeddings or cfg.model.tie_embeddings:
         raise ConfigError(f"parallelism.pp: the model ties its output layer to its embedding"
-                          f"{f' ({hf_start})' if hf_start else ''}, and the two live on the first and the last stage: "
+                          f"{f' ({start})' if start else ''}, and the two live on the first and the last stage: "
                           "plait does not pipeline a tied model; allowed: pp 1 (DDP, FSDP2, HSDP, TP, SimpleFSDP)")
     if (cfg.model.mtp_layers if cfg.model.mtp_layers >= 0 else shape.mtp_layers) > 0 and p.pp_schedule == "zbv":
         raise ConfigError("parallelism.pp_schedule: zbv runs the first and the last stage on one rank, where "

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from plait.arguments import parse, parse_args
-from plait.config import ConfigError, JobConfig, hf_folder, job_tokenizer
+from plait.config import ConfigError, JobConfig, job_tokenizer, start_folder
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer, num_params
 from plait.plan.calibration import DATA_SHEETS, Calibration, load
@@ -81,14 +81,14 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 def model_shape(cfg: JobConfig) -> ModelArgs:
     """The job's model from options and files alone: a Hugging Face folder's config.json, or the
     flavor with the tokenizer's vocabulary (nothing is tokenized: plan needs shapes only)."""
-    from plait import hf
     from plait.data import vocab_size
+    from plait.job_model import job_model
     from plait.models.flavors import FLAVORS
 
     vocab = 0  # the tokenizer's, as training settles it (a Hugging Face folder's must fit its embeddings)
-    if hf_folder(cfg) is not None or cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0:
+    if start_folder(cfg) is not None or cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0:
         vocab = vocab_size(replace(cfg.data, tokenizer=job_tokenizer(cfg)))
-    return hf.job_model(cfg, vocab)
+    return job_model(cfg, vocab)
 
 
 def float8_timing(recipe: str, cal: Calibration) -> str:

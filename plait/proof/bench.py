@@ -202,7 +202,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
     if proc.returncode != 0:
         raise RuntimeError(f"bench row failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
     lines = proc.stdout if key in RAW else (folder / "metrics.jsonl").read_text()
-    rows = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in lines.split("\n") if line.startswith("{")]  # "\n" only: plait/jsonl.py
     measured = [r for r in rows if cfg.warmup < r["step"] <= cfg.steps]
     if compiled:
         return {"compiled_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured)}

@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from plait import jsonl
 from plait.arguments import parse
 from plait.arguments import parse_args
 from plait.checks import check_options
@@ -161,14 +162,14 @@ def plan(args: CompareArgs, shared: list[str]):
     types = option_types()
     overrides = [parse_run(spec, types) for spec in args.run]
     # Torch and the tokenizer take seconds to load: the typos above fail before them.
-    from plait import hf
     from plait.data import build_tokenizer
+    from plait.job_model import job_model
     from plait.parallel.tensor_parallel import check_divisibility
 
     shared_cfg = parse_args([*shared, "--training.steps", str(args.steps)], prog="plait compare")
     try:  # model and data options are shared, so one tokenizer settles the model for every run
         tokenizer = build_tokenizer(shared_cfg.data)
-        model = hf.job_model(shared_cfg, tokenizer.get_vocab_size())
+        model = job_model(shared_cfg, tokenizer.get_vocab_size())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     runs = []
@@ -223,7 +224,7 @@ def train(run: Run, seed: Path, metrics: Path) -> dict[str, list[float]]:
         raise RunFailed(f"run {run.label!r} failed (exit {proc.returncode}): {' '.join(command)}\n"
                         f"{proc.stderr[-3000:]}")
     print(f"compare: {run.label} (world {run.world}): {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = jsonl.rows(metrics)
     return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
             "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
             "val_step": [r["step"] for r in rows if "val_loss" in r]}

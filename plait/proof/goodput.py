@@ -15,7 +15,6 @@ finished before, from the moment of the kill. Step times are read as the metrics
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait import jsonl
 from plait.arguments import parse
 from plait.proof.soak import workers
 
@@ -50,7 +50,7 @@ def killer(job: subprocess.Popen, metrics: Path, kill_at: int, parts: tuple[str,
     the job ends. Returns ({step: seconds since start when first seen}, seconds of the kill)."""
     start, seen, killed = time.monotonic(), {}, None
     while job.poll() is None:
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        rows = jsonl.rows(metrics) if metrics.exists() else []
         for row in rows:
             seen.setdefault(row["step"], time.monotonic() - start)
         if killed is None and max(seen, default=0) >= kill_at and (ranks := workers(job.pid, *parts)):
@@ -68,7 +68,7 @@ def run(out: Path, flags: list[str], watched: str, args: GoodputArgs, parts: tup
                             "--max_restarts", "1", "--metrics.jsonl", str(out / "metrics.jsonl"), *flags],
                            stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
     seen, killed = killer(job, out / watched, args.kill_at, parts)
-    rows = [json.loads(line) for line in (out / watched).read_text().splitlines()]
+    rows = jsonl.rows(out / watched)
     usual = statistics.median(row["step_time"] for row in rows)
     done = max(step for step, t in seen.items() if t <= killed)
     lost = seen[done + 1] - killed - usual

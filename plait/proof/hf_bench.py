@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
-        for row in sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+        for row in sorted((json.loads(line) for line in proc.stdout.split("\n") if line.startswith("{")),
                           key=lambda r: r["rank"]):
             print(f"{world:>5} {row['rank']:>4} {row['seconds']:>9.1f} {row['model_gib']:>15.2f} "
                   f"{row['peak_gib']:>13.2f} {row['peak_gib'] - row['model_gib']:>10.2f}")

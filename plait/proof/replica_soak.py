@@ -11,7 +11,6 @@ kills, the heals and the steps a group was missing from.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -21,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait import jsonl
 from plait.arguments import parse
 from plait.proof.goodput import JOB
 from plait.proof.soak import workers
@@ -40,7 +40,7 @@ class SoakArgs:
 
 def rows(out: Path, group: int) -> list[dict]:
     path = out / f"metrics.group-{group}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return jsonl.rows(path) if path.exists() else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print("replica_soak: HANG: the run did not end within 900 s of the last kill")
         return 1
     from plait.checkpoint.checkpointer import load_full_state_dict
-    from plait.models.flavors import ModelArgs
-    from plait.checkpoint.manifest import read_manifest
+    from plait.checkpoint.manifest import manifest_model, read_manifest
 
     last = [out / "ck" / f"group-{g}" / f"step-{args.steps}" for g in (0, 1)]
-    weights = [load_full_state_dict(p, ModelArgs(**read_manifest(p)["model_args"]), "soak") for p in last]
+    weights = [load_full_state_dict(p, manifest_model(read_manifest(p), p, "soak"), "soak") for p in last]
     equal = all(weights[0][name].equal(weights[1][name]) for name in weights[0])
     log = (out / "log.txt").read_text()
     missing = sum(1 for g in (0, 1) for row in rows(out, g) if row["replicas"] < 2)

@@ -11,7 +11,6 @@ load; the finished job's per-step losses must equal an uninterrupted run's. Prin
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -21,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait import jsonl
 from plait.arguments import parse
 
 JOB = ["--training.threads", "1", "--training.seq_len", "64", "--training.global_batch_size", "4",
@@ -61,16 +61,15 @@ def _read(pid: int, name: str) -> str:
 
 def complete_checkpoints_load(folder: Path) -> tuple[int, int]:
     """(checkpoints with a manifest, those of them that do not load)."""
-    from plait.checkpoint.manifest import check_compatible, read_manifest
+    from plait.checkpoint.manifest import check_compatible, manifest_model, read_manifest
     from plait.checkpoint.digests import verify
     from plait.config import ConfigError
-    from plait.models.flavors import ModelArgs
 
     complete = [p for p in folder.glob("step-*") if read_manifest(p) is not None]
     bad = 0
     for p in complete:
         try:
-            check_compatible(p, ModelArgs(**read_manifest(p)["model_args"]), "soak")
+            check_compatible(p, manifest_model(read_manifest(p), p, "soak"), "soak")
             verify(p, read_manifest(p), "soak")
         except ConfigError:
             bad += 1
@@ -106,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         checked, corrupt = checked + n, corrupt + bad
         print(f"cycle {cycle + 1}: {kind}, {n} complete checkpoints, {bad} that do not load", flush=True)
     assert train(job).wait() == 0
-    losses = {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
-    expected = {r["step"]: r["loss"] for r in map(json.loads, reference.read_text().splitlines())}
+    losses = {r["step"]: r["loss"] for r in jsonl.rows(metrics)}
+    expected = {r["step"]: r["loss"] for r in jsonl.rows(reference)}
     print(f"soak: {args.cycles} kill/restart cycles ({', '.join(f'{k} {v}' for k, v in kinds.items())}); "
           f"{checked} complete checkpoints checked, {corrupt} corrupt; final losses "
           f"{'equal' if losses == expected else 'DIFFER'} to the uninterrupted run's ({len(losses)} steps)")
