@@ -43,6 +43,15 @@ plait --version prints the installed version.
 
 
 def train(argv: list[str]) -> int:
+    try:
+        return _train(argv)
+    except KeyboardInterrupt:  # Ctrl-C while starting (the imports take seconds) or closing: no step to finish, nothing to save
+        if os.environ.get("RANK", "0") == "0":
+            print("plait: stopped on SIGINT outside the training steps: nothing saved", file=sys.stderr, flush=True)
+        end_worker(128 + signal.SIGINT)
+
+
+def _train(argv: list[str]) -> int:
     cfg = parse_args(argv, prog="plait train")
     if cfg.fault_tolerance.enable and "RANK" not in os.environ:
         from plait.parallel.replica_groups import lighthouse
@@ -75,10 +84,6 @@ def train(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"plait: stopped on {e}", file=sys.stderr, flush=True)
         code = e.exit_code
-    except KeyboardInterrupt:  # Ctrl-C while starting or closing: no step to finish, nothing to save
-        if os.environ.get("RANK", "0") == "0":
-            print("plait: stopped on SIGINT outside the training steps: nothing saved", file=sys.stderr, flush=True)
-        code = 128 + signal.SIGINT
     end_worker(code)
 
 

@@ -213,7 +213,7 @@ def test_every_layout_logs_the_losses_and_gradient_norm_of_the_single_device(tra
      "training.moe_sequence_aux_coef: 0.1 weighs a sigmoid router's loss"),
 ])
 def test_a_sequence_wise_loss_where_it_cannot_apply_is_refused_at_start_up(argv, message):
-    from plait.hf.config import job_model
+    from plait.job_model import job_model
     from plait.parallel.expert_parallel import check_experts
 
     with pytest.raises(ConfigError, match=message):

@@ -389,6 +389,20 @@ def test_the_defaults_plait_reads_are_transformers():
     assert not differ, differ  # (plait's, transformers')
 
 
+def test_the_nulls_plait_reads_are_transformers():
+    """plait's table of the fields whose null means unset (NULLABLE) against transformers' config
+    classes: the fields each types `X | None`, but those its model then fails on (plait refuses them)."""
+    import dataclasses
+
+    from plait.hf.defaults import NULLABLE, READ
+
+    fails = {"gpt_oss": {"sliding_window"},  # (range(None))
+             "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace"}}
+    for family, nullable in NULLABLE.items():
+        types = {f.name: str(f.type) for f in dataclasses.fields(type(transformers.AutoConfig.for_model(family)))}
+        assert nullable == {f for f in READ if "None" in types.get(f, "")} - fails.get(family, set()), family
+
+
 def test_rope_parameters_win_over_a_top_level_rope_theta_as_in_transformers():
     """transformers 5 writes rope_theta inside rope_parameters and, given both, takes that one."""
     from transformers import LlamaConfig

@@ -4,7 +4,8 @@ SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss) <-> plait's Mo
 Both layouts of the RoPE fields are read: the classic `rope_theta` + `rope_scaling`, and the
 `rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
 either carried over exactly or refused by name: a model loaded into the wrong function would
-train on silently. A field left out means the family's default (plait/hf/defaults.py).
+train on silently. Every field is read through plait/hf/fields.py: left out, the family's
+default (plait/hf/defaults.py); null, or of the wrong type, as transformers reads it or refused.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     # (sizes have no default: a missing one is refused by name)
     dim, heads = fields.integer("hidden_size", required=True), fields.integer("num_attention_heads", required=True)
     n_layers = fields.integer("num_hidden_layers", required=True)
-    args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=fields.integer("num_key_value_heads") or heads,
+    args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads,
+                     n_kv_heads=fields.integer("num_key_value_heads") or heads,
                      vocab_size=fields.integer("vocab_size", required=True),
                      ffn_hidden=fields.integer("intermediate_size", required=True),
                      head_dim=fields.integer("head_dim") or dim // heads, norm_eps=fields.number("rms_norm_eps"),

@@ -46,8 +46,9 @@ def deepseek_switches(fields: Fields) -> dict:
             "qk_rope_head_dim": fields.integer("qk_rope_head_dim"), "v_head_dim": fields.integer("v_head_dim"),
             "n_experts": experts, "top_k": top_k, "moe_hidden": fields.integer("moe_intermediate_size", required=True),
             "router": "sigmoid", "n_shared_experts": fields.integer("n_shared_experts", minimum=0),
-            "route_scale": fields.number("routed_scaling_factor"), "normalize_top_k": bool(fields.flag("norm_topk_prob")),
-            "mtp_layers": mtp or 0, "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0,
+            "route_scale": fields.number("routed_scaling_factor"),
+            "normalize_top_k": bool(fields.flag("norm_topk_prob")), "mtp_layers": mtp or 0,
+            "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0,
             "dense_layers": tuple(range(fields.integer("first_k_dense_replace", minimum=0)))}
 
 

@@ -74,6 +74,7 @@ NULLABLE = {
     "llama": {"num_key_value_heads", "head_dim"}, "mistral": {"head_dim", "sliding_window"},
     "qwen2": QWEN_NULLABLE, "qwen3": QWEN_NULLABLE, "olmo2": {"num_key_value_heads"},
     "smollm3": QWEN_NULLABLE | {"no_rope_layers"}, "qwen3_moe": {"sliding_window", "mlp_only_layers"},
-    "gpt_oss": {"layer_types"}, "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},
+    "gpt_oss": {"layer_types"},
+    "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},
     "mixtral": {"head_dim", "sliding_window"},
 }

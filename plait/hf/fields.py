@@ -68,7 +68,7 @@ class Fields:
     def integers(self, field: str, length: int | None = None) -> list[int] | None:
         """A list of integers (of `length` of them, where given)."""
         return self.typed(field, lambda v: isinstance(v, list) and len(v) == (length or len(v)) and
-                          all(map(is_int, v)), f"a list of {length or 'any number of'} integers")
+                          all(map(is_int, v)), f"a list of {length} integers" if length else "a list of integers")
 
     def texts(self, field: str, length: int) -> list[str] | None:
         return self.typed(field, lambda v: isinstance(v, list) and len(v) == length and

@@ -261,11 +261,13 @@ def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
 
 def no_weight(name: str, args: ModelArgs) -> bool:
     """A tensor of a folder that is none of its model's weights, which transformers leaves unread
-    too: a RoPE table (older folders; plait computes its own), and DeepSeek-V3's layers past the
-    model's (an MTP module the run leaves out, the MTP module's copies of the embedding and output)."""
+    too: a RoPE table (older folders; plait computes its own), a tied model's stored copy of its
+    output layer (tie_word_embeddings: the embedding is the output layer, as transformers ties it),
+    and DeepSeek-V3's layers past the model's (an MTP module the run leaves out, the MTP module's
+    copies of the embedding and output)."""
     layer = LAYER.match(name.removeprefix("model."))
-    return name.endswith(".rotary_emb.inv_freq") or (args.family == "deepseek_v3" and layer is not None
-                                                      and int(layer.group(1)) >= args.n_layers)
+    return name.endswith(".rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight") or (
+        args.family == "deepseek_v3" and layer is not None and int(layer.group(1)) >= args.n_layers)
 
 
 def parameter_names(args: ModelArgs) -> list[str]:
