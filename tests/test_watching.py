@@ -169,6 +169,19 @@ def test_plot_refuses_a_file_that_is_not_metrics_in_one_line(tmp_path, capsys, l
         "a metrics.jsonl?"]
 
 
+def test_plot_and_a_task_refuse_a_file_that_is_not_utf8_in_one_line(tmp_path, capsys):
+    from plait.config import ConfigError
+    from plait.evals.tasks import load_task
+
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"step": 1, "note": "caf\u00e9"}\n'.encode("latin-1"))
+    assert main(["plot", str(latin1), "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"plait: error: files: {latin1} is not UTF-8 text (byte 24): is it a metrics.jsonl?"]
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 24\): is it a task file\?"):
+        load_task(str(latin1))
+
+
 def test_plot_reads_rows_whose_strings_hold_line_separators(tmp_path):
     """Lines end at \\n only: U+2028 and U+0085 are characters in a JSON string (json.dumps with
     ensure_ascii=False writes them as they are)."""

@@ -165,6 +165,8 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
 def manifest_model(manifest: dict, folder: Path, option: str) -> ModelArgs:
     """The model a manifest records. A field this plait does not know means a newer plait wrote
     it (a model this one cannot build): one line naming the field, not a TypeError."""
+    if not isinstance(manifest.get("model_args"), dict):
+        raise ConfigError(f"{option}: {folder}'s manifest records no model (model_args): the checkpoint is damaged")
     known = {f.name for f in fields(ModelArgs)}
     if unknown := sorted(set(manifest["model_args"]) - known):
         raise ConfigError(f"{option}: {folder} records the model field(s) {', '.join(unknown)}, which this plait "

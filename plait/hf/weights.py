@@ -218,8 +218,8 @@ def weight_files(folder: Path, option: str) -> dict[str, Path]:
     if (folder / INDEX).exists():
         try:
             weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise ConfigError(f"{option}: {folder / INDEX} is unreadable: {e}") from None
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:  # (TypeError: not an object)
+            raise ConfigError(f"{option}: {folder / INDEX} is unreadable: {type(e).__name__}: {e}") from None
         if not isinstance(weight_map, dict):
             raise ConfigError(f"{option}: {folder / INDEX}'s weight_map is not an object of tensor name -> file name")
         # follow_links: a hub snapshot's shards are links into its blob store

@@ -43,8 +43,12 @@ class PlotArgs:
 def read_rows(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"files: {path} does not exist")
+    try:
+        numbered = jsonl.lines(path)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"files: {path} is not UTF-8 text (byte {e.start}): is it a metrics.jsonl?") from None
     rows = []
-    for number, line in jsonl.lines(path):
+    for number, line in numbered:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
