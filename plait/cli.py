@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -112,6 +113,19 @@ def end_worker(code: int) -> typing.NoReturn:
 
 
 EXIT_CODES = "PLAIT_EXIT_CODES"  # the folder where workers leave their exit codes for launch_local
+
+
+def die_with_parent() -> None:
+    """Under `plait train --nproc`: end this process (torchrun's agent, or a worker) when the one
+    that started it dies. They run in sessions of their own, so a SIGKILL to the launcher's
+    process group (a timeout, an IDE's stop) reaches none of them: left running, the job would go
+    on saving into the folder the next run resumes from. (Linux's parent-death signal; elsewhere
+    nothing.)"""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # (it died before the signal was set)
+        os._exit(128 + signal.SIGKILL)
 
 
 def launch_local(argv: list[str], nproc: int, max_restarts: int, subcommand: str = "train") -> int:
@@ -367,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if EXIT_CODES in os.environ and "RANK" in os.environ:  # a worker of `plait train --nproc`
+        die_with_parent()
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:

@@ -20,6 +20,8 @@ import torch.distributed.elastic.multiprocessing.api as elastic  # noqa: E402
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.run import main  # noqa: E402
 
+from plait.cli import die_with_parent  # noqa: E402
+
 raise_signal_exception = elastic._terminate_process_handler
 stopping: list[int] = []
 
@@ -35,6 +37,7 @@ def stop_once(signum, frame) -> None:
 
 
 if __name__ == "__main__":
+    die_with_parent()  # (the launcher's: a SIGKILL to it ends the job, not only the launcher)
     elastic._terminate_process_handler = stop_once  # looked up when the agent registers its handlers
     for sig in HANDLED:  # from here until it does (its rendezvous, say): the agent shuts down what it started
         signal.signal(sig, stop_once)

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.slow
 ENDLESS = ["--training.steps", "100000", "--metrics.log_interval", "1"]
 HANG = 600  # a hang guard, not a measure: how long a job that does nothing more is waited for
 HOLD = ROOT / "tests" / "hold"  # its sitecustomize.py holds a rank's step after a first Ctrl-C until a signal ends it
+# torchrun's agent waits for its workers as long as they take to stop (by default it sends SIGKILL
+# 30 s after the signal: a cluster's grace period, not what is tested here): only plait ends them.
+AGENT = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(100 * HANG)}
 TORCHRUN_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # torchrun's agent's own lines
 
 
@@ -43,7 +46,7 @@ class Job:
                    "--checkpoint.folder", str(folder), "--checkpoint.interval", "100000", *args]
         self.proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **AGENT, **(env or {})})
         self.lines: list[str] = []
         self.ended = False  # the output's end: no process of the job holds it any more
         self.more = threading.Condition()
@@ -143,6 +146,22 @@ def test_a_signal_to_the_launcher_stops_the_job_and_leaves_nothing_behind(tmp_pa
     assert not left, f"processes left behind by the launcher: {left}\n{out[-3000:]}"
     assert code == 128 + signum and "Traceback" not in out, out[-3000:]
     assert stopped_line(out, signal.Signals(signum).name, folder) > 3
+
+
+def test_a_sigkill_to_the_launcher_s_process_group_ends_the_whole_job(tmp_path):
+    """SIGKILL to `plait train --nproc 2`'s process group (a timeout, an IDE's stop) reaches only
+    the launcher: torchrun's agent and the workers, in sessions of their own, end because it did
+    (their parent-death signal), so none goes on saving into the folder the next run resumes from.
+    Waited for by the output's end: the pipe closes when the last process holding it has ended."""
+    job = Job(tmp_path / "ckpt", nproc=2)
+    try:
+        job.wait_for("step     3")
+        os.killpg(job.proc.pid, signal.SIGKILL)
+        job.proc.wait()
+        job.reader.join(HANG)
+        assert job.ended and job.alive() == [], f"left running: {job.alive()}\n{job.output[-3000:]}"
+    finally:
+        job.end()
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
