@@ -36,6 +36,14 @@ def started(pid: int) -> str | None:
     return None if stat[0] == "Z" else stat[19]  # (a zombie has exited)
 
 
+def as_in_a_terminal() -> None:
+    """Ctrl-C's and Ctrl-\\'s signals at their default action, as a terminal's foreground job has
+    them: a test suite run in the background (`pytest &` in a script) passes them on ignored, and
+    a run keeps a signal it was started ignoring ignored (the last test here)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class Job:
     """`plait train` in a process group of its own, its output read by a thread (a job whose
     processes outlive the launcher keeps the pipe open: reading must never block the test)."""
@@ -46,7 +54,7 @@ class Job:
                    "--checkpoint.folder", str(folder), "--checkpoint.interval", "100000", *args]
         self.proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                     env={**os.environ, **AGENT, **(env or {})})
+                                     env={**os.environ, **AGENT, **(env or {})}, preexec_fn=as_in_a_terminal)
         self.lines: list[str] = []
         self.ended = False  # the output's end: no process of the job holds it any more
         self.more = threading.Condition()
