@@ -37,11 +37,11 @@ def started(pid: int) -> str | None:
 
 
 def as_in_a_terminal() -> None:
-    """Ctrl-C's and Ctrl-\\'s signals at their default action, as a terminal's foreground job has
-    them: a test suite run in the background (`pytest &` in a script) passes them on ignored, and
-    a run keeps a signal it was started ignoring ignored (the last test here)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    """SIGINT, SIGQUIT and SIGHUP at their default action, as a terminal's foreground job has
+    them: a test suite run in the background (`pytest &` in a script, `nohup`) passes them on
+    ignored, and a run keeps a signal it was started ignoring ignored (the last test here)."""
+    for signum in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 class Job:

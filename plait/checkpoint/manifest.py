@@ -73,7 +73,7 @@ def latest_complete(root: str) -> Path | None:
 def checkpoint_in(folder: Path, option: str, say: bool = True) -> Path:
     """`folder` where a checkpoint is expected. A job folder (a checkpoint.folder: plait-job.json or
     step-N folders, no manifest of its own) means its newest complete checkpoint, said in one line
-    (by rank 0); one that holds none is refused, listing what it holds. Any other folder is itself."""
+    (by rank 0, where `say`); one that holds none is refused, listing what it holds. Any other folder is itself."""
     if not folder.is_dir() or (folder / MANIFEST).exists() or (folder / "config.json").exists():
         return folder
     entries = list(folder.iterdir())

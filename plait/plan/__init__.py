@@ -79,7 +79,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def model_shape(cfg: JobConfig) -> ModelArgs:
-    """The job's model from options and files alone: a Hugging Face folder's config.json, or the
+    """The job's model from options and files alone: what checkpoint.load's folder holds, or the
     flavor with the tokenizer's vocabulary (nothing is tokenized: plan needs shapes only)."""
     from plait.data import vocab_size
     from plait.job_model import job_model
