@@ -16,6 +16,7 @@ from pathlib import Path
 
 import tyro
 
+from plait import jsonl
 from plait.config import ConfigError, JobConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -44,7 +45,7 @@ def resolve_config_path(name_or_path: str) -> Path:
 def toml_to_args(path: Path) -> list[str]:
     """Turn a TOML file into `--section.key value` flags so one parser validates both sources."""
     try:
-        table = tomllib.loads(path.read_text())
+        table = tomllib.loads(jsonl.text(path, "config"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
     job_sections = sections()

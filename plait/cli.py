@@ -386,8 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:
-        print(f"plait: error: {e}", file=sys.stderr, flush=True)
+        print(f"plait: error: {one_line(str(e))}", file=sys.stderr, flush=True)
         return 2
+
+
+def one_line(message: str) -> str:
+    """`message` with each character that would end its line written as its escape: a value quoted
+    from a file (a U+2028 in a JSON string) keeps the error on one line."""
+    return "".join(c.encode("unicode_escape").decode() if len(f"{c}x".splitlines()) > 1 else c for c in message)
 
 
 if __name__ == "__main__":

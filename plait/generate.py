@@ -23,6 +23,7 @@ from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
 from plait.data import eos_id
+from plait.data.tokenizer import read_tokenizer
 from plait.hf.tokenizer import TOKENIZER
 from plait.models.attention import KVCache
 from plait.models.transformer import Transformer
@@ -73,7 +74,7 @@ def load(folder: Path) -> tuple[Transformer, Tokenizer]:
         model.load_state_dict(load_full_state_dict(folder, args, "checkpoint"))
     if not (folder / TOKENIZER).is_file():
         raise ConfigError(f"checkpoint: {folder} has no {TOKENIZER} to turn text into tokens and back")
-    tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
+    tokenizer = read_tokenizer(folder / TOKENIZER, "checkpoint")
     if tokenizer.get_vocab_size() > args.vocab_size:
         raise ConfigError(f"checkpoint: {folder}'s tokenizer has {tokenizer.get_vocab_size()} tokens, more than the "
                           f"model's {args.vocab_size} embeddings")

@@ -292,14 +292,18 @@ def test_linear_rope_with_mscale_all_dim_scales_the_softmax_as_transformers_and_
 
 
 def test_shared_expert_weights_a_config_json_leaves_out_are_refused_not_dropped(tmp_path):
-    """A config.json of no shared experts (n_shared_experts 0) over a folder holding them: the
-    folder's weights are another model's, refused by name rather than left unread."""
+    """A config.json of no shared experts (n_shared_experts 0) over a folder holding them: refused
+    by name rather than the folder's weights left unread (transformers builds 0-wide shared experts
+    for it; no published DeepSeek-V3 has none), and one that moves where the sparse blocks begin
+    is refused by the weights it lacks."""
     from plait import hf
 
     deepseek_folder(tmp_path, {"rope_type": "default", "rope_theta": 10000.0})
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"n_shared_experts": 0}))
+    with pytest.raises(ConfigError, match=r"sets n_shared_experts 0; allowed: an integer >= 1$"):
+        hf.model_args(tmp_path, "checkpoint.load")
+    (tmp_path / "config.json").write_text(json.dumps(config | {"first_k_dense_replace": 2}))
     args = hf.model_args(tmp_path, "checkpoint.load")
-    with pytest.raises(ConfigError, match=r"holds 9 tensor\(s\) that the model of its config.json does not use: "
-                                          r"\['model.layers.1.mlp.shared_experts.down_proj.weight'"):
+    with pytest.raises(ConfigError, match=r"lacks \['model.layers.1.mlp.gate_proj.weight'"):
         hf.HFWeights(tmp_path, args, "checkpoint.load")

@@ -243,7 +243,7 @@ NULLS = {
                                         "sets num_experts_per_tok null; allowed: an integer >= 1"),
     # (the folder's shared experts must not be dropped)
     "deepseek_v3-n_shared_experts": ("deepseek_v3", {"n_shared_experts": None},
-                                     "sets n_shared_experts null; allowed: an integer >= 0"),
+                                     "sets n_shared_experts null; allowed: an integer >= 1"),
     "deepseek_v3-rope_interleave": ("deepseek_v3", {"rope_interleave": None}, "sets rope_interleave null"),
     "qwen3-rope_scaling-text": ("qwen3", {"rope_scaling": "yarn"},
                                 'sets rope_scaling "yarn"; allowed: an object (rope_type and its fields) or null'),

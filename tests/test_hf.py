@@ -188,8 +188,8 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
     train = ["train", *TINY, "--training.steps", "1", "--checkpoint.load"]
     longrope = variant("longrope", rope_scaling={"rope_type": "longrope", "factor": 4.0})
     assert one_line(*train, str(longrope)) == (
-        f"plait: error: checkpoint.load: {longrope / 'config.json'}: RoPE scaling 'longrope' is not supported; plait "
-        "implements default, linear, llama3, yarn")
+        f"plait: error: checkpoint.load: {longrope / 'config.json'} sets rope_scaling.rope_type \"longrope\"; allowed: "
+        "default, linear, llama3, yarn (the RoPE scalings plait implements)")
     gemma = variant("gemma", model_type="gemma2")
     assert one_line(*train, str(gemma)) == (
         f"plait: error: checkpoint.load: {gemma / 'config.json'} holds a model_type 'gemma2' model; plait reads llama, "

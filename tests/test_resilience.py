@@ -87,7 +87,9 @@ def test_sigterm_saves_the_step_and_the_restart_is_bitwise(tmp_path, uninterrupt
     done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1]
     print(f"\n{launcher}: SIGTERM at step {at}, saved step {done}, every process gone after {seconds:.1f}s")
     assert seconds < GRACE and code == (128 + signal.SIGTERM if launcher == "plait" else 1), out[-3000:]
-    assert done in (at, at + 1)  # the signal may land after the step's agreement: then the next step ends it
+    # The signal lands while a step after `at` runs: how many steps after depends on how long the
+    # test took to read step `at`'s line (a busy machine: two or more). The step it lands in saves.
+    assert at <= done < int(STEPS[-1])
     saved = range(1, done + 1) if launcher == "plait" else [done]
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == sorted(f"step-{s}" for s in saved)
     assert all((folder / f"step-{s}" / "plait.json").exists() for s in saved)

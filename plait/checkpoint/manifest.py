@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from plait import file_names
+from plait import file_names, jsonl
 from plait.checkpoint import digests, safe_dcp
 from plait.checkpoint.digests import damaged
 from plait.config import CHECKPOINT_MANIFEST, ConfigError, JobConfig
+from plait.jsonl import is_int, is_number
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 
@@ -47,10 +48,12 @@ def read_manifest(folder: Path) -> dict | None:
 
 
 def _read_json(path: Path) -> dict | None:
+    """The object `path` holds; None where it holds none (missing, damaged: not a complete checkpoint)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        value = jsonl.document(path, str(path))
+    except ConfigError:
         return None
+    return value if isinstance(value, dict) else None
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
@@ -122,6 +125,9 @@ def check_compatible(folder: Path, args: ModelArgs, option: str) -> dict:
     if manifest is None:
         raise ConfigError(f"{option}: {folder} has no {MANIFEST}: not a plait checkpoint, or a save that never "
                           "completed")
+    if not is_int(manifest.get("format", 1)):
+        raise ConfigError(f"{option}: {folder}'s {MANIFEST} records format {manifest['format']!r}, not a number: "
+                          f"{damaged(folder)}")
     if manifest.get("format", 1) > FORMAT:  # manifests before the field are format 1
         raise ConfigError(f"{option}: {folder} was written by plait {manifest.get('plait')} in checkpoint format "
                           f"{manifest['format']}; this plait ({version('plait')}) reads formats up to {FORMAT}: "
@@ -172,7 +178,22 @@ def manifest_model(manifest: dict, folder: Path, option: str) -> ModelArgs:
         raise ConfigError(f"{option}: {folder} records the model field(s) {', '.join(unknown)}, which this plait "
                           f"({version('plait')}) does not know: the checkpoint was written by a newer plait "
                           f"({manifest.get('plait', 'version not recorded')}); upgrade plait to read it")
+    hints = {f.name: f.type for f in fields(ModelArgs)}
+    for name, value in manifest["model_args"].items():
+        if not fits(value, hints[name]):
+            raise ConfigError(f"{option}: {folder}'s manifest records the model's {name} as {value!r}, which is not "
+                              f"{hints[name]}: {damaged(folder)}")
     return ModelArgs(**manifest["model_args"])
+
+
+def fits(value, hint: str) -> bool:
+    """Whether a JSON value is one of ModelArgs' field type `hint` (sizes never negative)."""
+    size = is_int(value) and 0 <= value < 1 << 40
+    return {"int": size, "bool": isinstance(value, bool), "str": isinstance(value, str),
+            "float": is_number(value), "float | None": value is None or is_number(value),
+            "dict | None": value is None or isinstance(value, dict),
+            "tuple[int, ...]": isinstance(value, list) and all(is_int(v) and 0 <= v < 1 << 40 for v in value),
+            }.get(hint, True)
 
 
 def saved_model(record: dict, path: Path, option: str) -> dict:

@@ -40,6 +40,8 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[tuple[str, i
             raise ConfigError(f"data.path: folder {path!r} holds no {'/'.join(SUFFIXES)} files")
         for f in files:
             yield from _file_documents(f, text_field)
+    elif not p.is_file():  # (a device such as /dev/zero: a read without end)
+        raise ConfigError(f"data.path: {path!r} is neither a folder nor a regular file")
     else:
         yield from _file_documents(p, text_field)
 

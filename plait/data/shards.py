@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from plait import jsonl
 from plait.config import ConfigError
 from plait.data.documents import fingerprint
 from plait.data.tokenizer import eos_id, sha256, text_encoder
@@ -49,10 +50,12 @@ def is_tokenized(path: str | Path) -> bool:
 
 
 def _read_json(path: Path) -> dict | None:
+    """The object `path` holds; None where it holds none (missing, damaged, a link to a device)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = jsonl.document(path, str(path))
+    except ConfigError:
         return None
+    return value if isinstance(value, dict) else None
 
 
 def _write_json(path: Path, value: dict) -> None:

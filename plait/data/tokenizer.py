@@ -8,9 +8,11 @@ and load the result.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from plait import jsonl
 from plait.cache import cache_dir, cached_file
 from plait.config import ConfigError, Data
 from plait.data.documents import fingerprint, load_texts
@@ -24,11 +26,18 @@ def sha256(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
 
-def load_tokenizer(path: str, option: str = "data.tokenizer") -> Tokenizer:
+def read_tokenizer(path: str | Path, option: str) -> Tokenizer:
+    """A tokenizer.json, or one line saying why it is none."""
     try:
-        tokenizer = Tokenizer.from_file(path)
+        return Tokenizer.from_str(jsonl.text(Path(path), option))
     except Exception as e:  # the Rust side raises a bare Exception
-        raise ConfigError(f"{option}: cannot load {path!r}: {e}") from None
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{option}: cannot load {str(path)!r}: {e}") from None
+
+
+def load_tokenizer(path: str, option: str = "data.tokenizer") -> Tokenizer:
+    tokenizer = read_tokenizer(path, option)
     eos_id(tokenizer, option)  # fail now, not after tokenizing the corpus
     return tokenizer
 

@@ -59,10 +59,7 @@ def load_task(spec: str, option: str = "eval.tasks") -> Task:
     path = BUNDLED.get(spec, Path(spec))
     if spec not in BUNDLED and (path.suffix != ".jsonl" or not path.is_file()):
         raise ConfigError(f"{option}: {spec!r} is neither a .jsonl file nor a bundled task {sorted(BUNDLED)}")
-    try:
-        numbered = jsonl.lines(path)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{option}: {path} is not UTF-8 text (byte {e.start}): is it a task file?") from None
+    numbered = jsonl.lines(path, option, ": is it a task file?")
     examples = [_example(line, f"{option}: {path}:{n}") for n, line in numbered]
     if not examples:
         raise ConfigError(f"{option}: {path} holds no example")

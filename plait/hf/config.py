@@ -10,16 +10,17 @@ default (plait/hf/defaults.py); null, or of the wrong type, as transformers read
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from plait import jsonl
 from plait.config import ConfigError
 from plait.hf.deepseek import deepseek_fields, deepseek_switches, holds_mtp
 from plait.hf.defaults import ROPE_SCALING
-from plait.hf.fields import Fields, family_fields, is_number
+from plait.hf.fields import Fields, family_fields
+from plait.jsonl import is_number
 from plait.models.flavors import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
@@ -37,10 +38,7 @@ def is_hf_folder(folder: Path) -> bool:
 
 
 def read_config(folder: Path, option: str) -> dict:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{option}: {folder / 'config.json'} is unreadable: {e}") from None
+    return jsonl.document(folder / "config.json", option)
 
 
 def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | None]:
@@ -62,8 +60,8 @@ def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | 
     if kind == "default":
         return theta, None
     if kind not in ROPE_FIELDS:
-        raise ConfigError(f"{where}: RoPE scaling '{kind}' is not supported; plait implements default, "
-                          f"{', '.join(ROPE_FIELDS)}")
+        rope.refuse("rope_type" if rope.has("rope_type") else "type", f"default, {', '.join(ROPE_FIELDS)} (the RoPE "
+                    "scalings plait implements)")
     missing = [f for f in ROPE_FIELDS[kind] if not rope.has(f)]
     if missing:
         raise ConfigError(f"{where}: RoPE scaling '{kind}' lacks {', '.join(missing)}")
@@ -142,6 +140,12 @@ def window_switches(fields: Fields, family: str, n_layers: int) -> dict:
     blocks without RoPE); Qwen3-MoE in every block; gpt-oss in the blocks layer_types names
     (default: every other block from the first)."""
     if family not in ("mistral", "mixtral", "gpt_oss") and not fields.flag("use_sliding_window"):
+        if family == "smollm3" and fields.config.get("sliding_window") and "sliding_attention" in (
+                fields.texts("layer_types", n_layers) or []):
+            # (its masks slide there, its flash-attention path does not: which one the folder means is unknown)
+            fields.refuse("layer_types", "full_attention in every block, or use_sliding_window true",
+                          " with use_sliding_window false, where transformers' SmolLM3 slides under sdpa and not "
+                          "under flash attention")
         return {}
     window = fields.integer("sliding_window", minimum=0)
     if window is None and fields.has("sliding_window") and family not in ("mistral", "mixtral"):
@@ -159,7 +163,8 @@ def window_switches(fields: Fields, family: str, n_layers: int) -> dict:
     if types is None and family == "smollm3":
         types = ["sliding_attention" if i in nope_layers(fields, n_layers) else "full_attention" for i in layers]
     full = tuple(i for i in layers if types is not None and types[i] != "sliding_attention")
-    return {"sliding_window": window, "full_layers": full}
+    # (a window no block slides in is no window: the model computes, and exports, as one without)
+    return {"sliding_window": window, "full_layers": full} if len(full) < n_layers else {}
 
 
 def model_args(folder: Path, option: str) -> ModelArgs:

@@ -11,7 +11,9 @@ from pathlib import Path
 from safetensors import safe_open
 
 from plait.config import ConfigError
-from plait.hf.fields import Fields, is_int
+from plait.hf.fields import Fields
+from plait import jsonl
+from plait.jsonl import is_int
 from plait.models.flavors import ModelArgs
 
 # DeepSeek's remote-code fields: the one value transformers' DeepseekV3 computes
@@ -45,7 +47,7 @@ def deepseek_switches(fields: Fields) -> dict:
             "kv_lora_rank": fields.integer("kv_lora_rank"), "qk_nope_head_dim": fields.integer("qk_nope_head_dim"),
             "qk_rope_head_dim": fields.integer("qk_rope_head_dim"), "v_head_dim": fields.integer("v_head_dim"),
             "n_experts": experts, "top_k": top_k, "moe_hidden": fields.integer("moe_intermediate_size", required=True),
-            "router": "sigmoid", "n_shared_experts": fields.integer("n_shared_experts", minimum=0),
+            "router": "sigmoid", "n_shared_experts": fields.integer("n_shared_experts"),
             "route_scale": fields.number("routed_scaling_factor"),
             "normalize_top_k": bool(fields.flag("norm_topk_prob")), "mtp_layers": mtp or 0,
             "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0,
@@ -59,8 +61,9 @@ def holds_mtp(folder: Path, n_layers: int) -> bool:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            return name in json.loads(index.read_text()).get("weight_map", {})
-        except (OSError, json.JSONDecodeError):
+            weight_map = jsonl.document(index, str(index)).get("weight_map", {})
+            return isinstance(weight_map, dict) and name in weight_map
+        except (ConfigError, AttributeError):
             return False  # (weights.py refuses the unreadable index by name)
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), "pt") as weights:

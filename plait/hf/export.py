@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, read_manifest
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
+from plait.data.tokenizer import read_tokenizer
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.config import hf_config
 from plait.hf.weights import write_weights
@@ -29,7 +29,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: 
     state = load_full_state_dict(folder, args, "checkpoint")
     tokenizer = None
     if (folder / hf_tokenizer.TOKENIZER).is_file():
-        tokenizer = Tokenizer.from_file(str(folder / hf_tokenizer.TOKENIZER))
+        tokenizer = read_tokenizer(folder / hf_tokenizer.TOKENIZER, "checkpoint")
         if tokenizer.get_vocab_size() > args.vocab_size:
             raise ConfigError(f"checkpoint: {folder}'s tokenizer has {tokenizer.get_vocab_size()} tokens, more than "
                               f"the model's {args.vocab_size} embeddings")

@@ -12,6 +12,7 @@ import json
 
 from plait.config import ConfigError
 from plait.hf.defaults import DEFAULTS, NULLABLE, READ
+from plait.jsonl import is_int, is_number
 
 
 class Fields:
@@ -78,11 +79,3 @@ class Fields:
 def family_fields(config: dict, family: str, where: str) -> Fields:
     """config.json's fields for `family`: its transformers defaults, and its nulls that mean unset."""
     return Fields(config, where, DEFAULTS[family], NULLABLE[family], known=READ)
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -55,6 +55,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from plait import jsonl
 from plait.config import ConfigError
 from plait.file_names import first_stray
 from plait.hf.config import describe_difference
@@ -216,11 +217,9 @@ def weight_files(folder: Path, option: str) -> dict[str, Path]:
     """Hugging Face name -> the file holding it: from the index when there is one (each listed
     shard must exist), else from the headers of every .safetensors file. Reads no tensor."""
     if (folder / INDEX).exists():
-        try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:  # (TypeError: not an object)
-            raise ConfigError(f"{option}: {folder / INDEX} is unreadable: {type(e).__name__}: {e}") from None
-        if not isinstance(weight_map, dict):
+        index = jsonl.document(folder / INDEX, option)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ConfigError(f"{option}: {folder / INDEX}'s weight_map is not an object of tensor name -> file name")
         # follow_links: a hub snapshot's shards are links into its blob store
         if stray := first_stray(folder, weight_map.values(), follow_links=True):

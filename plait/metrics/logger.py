@@ -81,7 +81,7 @@ class MetricsLogger:
         if jsonl:
             path = Path(jsonl)
             path.parent.mkdir(parents=True, exist_ok=True)
-            kept = [line for _, line in (jsonl_lines(path) if path.exists() else [])
+            kept = [line for _, line in (jsonl_lines(path, "metrics.jsonl") if path.exists() else [])
                     if json.loads(line)["step"] <= resumed_step]
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))

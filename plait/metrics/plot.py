@@ -13,6 +13,7 @@ import tyro
 from plait import jsonl
 from plait.arguments import parse
 from plait.config import ConfigError
+from plait.jsonl import is_number
 
 # (panel title, y label, keys drawn in it): val_loss shares loss's panel, as points where it was measured
 PANELS = [("loss", "loss", ("loss", "val_loss")), ("learning rate", "lr", ("lr",)),
@@ -43,10 +44,7 @@ class PlotArgs:
 def read_rows(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"files: {path} does not exist")
-    try:
-        numbered = jsonl.lines(path)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"files: {path} is not UTF-8 text (byte {e.start}): is it a metrics.jsonl?") from None
+    numbered = jsonl.lines(path, "files", ": is it a metrics.jsonl?")
     rows = []
     for number, line in numbered:
         try:
@@ -57,8 +55,17 @@ def read_rows(path: Path) -> list[dict]:
         if not isinstance(row, dict) or type(row.get("step")) is not int:
             raise ConfigError(f"files: {path} line {number} is not a row of metrics (a JSON object with a whole-number "
                               "step): is it a metrics.jsonl?")
+        drawn = [k for k in row if is_drawn(k) and not (is_number(row[k]) or row[k] is None)]
+        if drawn:
+            raise ConfigError(f"files: {path} line {number}: {drawn[0]} is {json.dumps(row[drawn[0]])}, not a number "
+                              "(or null): is it a metrics.jsonl?")
         rows.append(row)
     return rows
+
+
+def is_drawn(key: str) -> bool:
+    return any(key in keys for _, _, keys in PANELS) or key.startswith("val_loss_") or \
+        (key.startswith("eval_") and key.endswith("_acc"))
 
 
 def labels(paths: list[Path]) -> list[str]:

@@ -66,6 +66,12 @@ class ScaledDotProduct(nn.Module):
                 queries: tuple[tuple[int, int], ...] = (), keys: tuple[tuple[int, int], ...] = (),
                 heads: slice = slice(None)) -> torch.Tensor:
         width = v.shape[-1]
+        if width > q.shape[-1] and (mask is None or isinstance(mask, torch.Tensor)):
+            # Values wider than queries and keys (latent attention's v_head_dim above its q/k head
+            # dim): q and k padded with zeros instead, which leaves every score as it was (its scale
+            # is its own, never q's width).
+            pad = (0, width - q.shape[-1])
+            return self.forward(F.pad(q, pad), F.pad(k, pad), v, mask, queries, keys, heads)
         if width != q.shape[-1] and (mask is None or isinstance(mask, torch.Tensor)):
             # SDPA's fused kernels take one head_dim for q, k and v (else the math kernel runs,
             # on a CPU in fp32): latent attention's narrower values are padded with zeros, and

@@ -1,0 +1,54 @@
+"""Proofs that generate their cases (hypothesis): each generator is a strategy over one space of
+inputs and a property every case must keep, and a failure shrinks to the smallest case that breaks
+it, printed as what reproduces it.
+
+    hf_configs  Hugging Face config.json fields against transformers' own models
+    restart     a run stopped and resumed equals the run uninterrupted, over the job options
+    options     every `plait train` option: two steps at the reference's loss, or one line
+    files       mutations of every file plait reads: the same result, or one line
+
+CI runs each with a fixed seed and a fixed budget (tests/test_fuzz.py), with the examples that
+once failed pinned; `python -m plait.proof.fuzz NAME --examples N --seed S` runs one for long.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, example, given, seed, settings
+from hypothesis import strategies as st
+
+
+class Counterexample(AssertionError):
+    """A case that breaks the property; its message says how to reproduce it."""
+
+
+@dataclass
+class Generator:
+    """A strategy over cases, the property (returns how the case ended: a Counter key, e.g.
+    'equal', 'refused', 'skipped: transformers cannot run it'; raises Counterexample), and the
+    cases that once failed, run first every time."""
+    strategy: st.SearchStrategy
+    check: callable
+    pinned: list = field(default_factory=list)
+
+
+def run(generator: Generator, examples: int, seed_value: int, pinned: bool = True) -> Counter:
+    """Run `examples` generated cases (and the pinned ones); how each ended, counted. Raises the
+    shrunk Counterexample of the first failure."""
+    outcomes: Counter = Counter()
+
+    # (no database: a run is what its seed says, the same on every machine; no deadline: a
+    # case's time depends on the CPU; the health checks would fail slow cases, not wrong ones)
+    @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
+              suppress_health_check=list(HealthCheck))
+    @seed(seed_value)
+    @given(generator.strategy)
+    def prove(case):
+        outcomes[generator.check(case)] += 1
+
+    for case in generator.pinned if pinned else ():
+        prove = example(case)(prove)
+    prove()
+    return outcomes

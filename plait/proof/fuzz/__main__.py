@@ -1,0 +1,38 @@
+"""python -m plait.proof.fuzz {hf,restart,options,files} --examples N [--seed S]: one generator
+for as long as asked; prints how the cases ended, or the shrunk counter-example (which says how
+to reproduce it) and exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+from plait.proof.fuzz import Counterexample, run
+
+MODULES = {"hf": "hf_configs", "restart": "restart", "options": "options", "files": "files"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m plait.proof.fuzz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("generator", choices=sorted(MODULES))
+    parser.add_argument("--examples", type=int, default=100, help="generated cases to run (the pinned ones run too)")
+    parser.add_argument("--seed", type=int, default=0, help="the generation's seed: the same seed, the same cases")
+    opts = parser.parse_args(argv)
+    generator = importlib.import_module(f"plait.proof.fuzz.{MODULES[opts.generator]}").GENERATOR
+    start = time.perf_counter()
+    try:
+        outcomes = run(generator, opts.examples, opts.seed)
+    except Counterexample as e:
+        print(f"fuzz {opts.generator}: counter-example (shrunk): {e}", file=sys.stderr)
+        return 1
+    seconds = time.perf_counter() - start
+    print(f"fuzz {opts.generator}: {sum(outcomes.values())} cases in {seconds:.0f} s, seed {opts.seed}")
+    for outcome, count in outcomes.most_common():
+        print(f"  {count:6d}  {outcome}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

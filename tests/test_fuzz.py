@@ -1,0 +1,28 @@
+"""The generated proofs (plait/proof/fuzz), each with a fixed seed and a fixed budget of cases
+(about a minute each on the slower CPU kind), the cases that once failed pinned and run first.
+A failure prints the shrunk case and how to reproduce it; long runs:
+`python -m plait.proof.fuzz NAME --examples N --seed S`."""
+
+import pytest
+
+pytest.importorskip("hypothesis")
+
+
+def prove(name: str, examples: int, expected: set[str]):
+    from plait.proof.fuzz import run
+
+    module = __import__(f"plait.proof.fuzz.{name}", fromlist=["GENERATOR"])
+    outcomes = run(module.GENERATOR, examples, seed_value=2026)
+    print(f"\nfuzz {name}: {dict(outcomes)}")
+    # (the budget is spent on cases that reach plait's code, not only on refusals)
+    assert expected <= set(outcomes), outcomes
+    return outcomes
+
+
+def test_hugging_face_configs_equal_transformers_or_are_refused_in_one_line():
+    pytest.importorskip("transformers")
+    prove("hf_configs", 300, {"equal", "refused"})
+
+
+def test_every_file_plait_reads_mutated_gives_its_result_or_one_line():
+    prove("files", 250, {"same output", "refused"})
