@@ -26,3 +26,7 @@ def test_hugging_face_configs_equal_transformers_or_are_refused_in_one_line():
 
 def test_every_file_plait_reads_mutated_gives_its_result_or_one_line():
     prove("files", 250, {"same output", "refused"})
+
+
+def test_every_train_option_near_and_past_its_limits_is_accepted_or_refused_in_one_line():
+    prove("options", 200, {"accepted", "refused"})

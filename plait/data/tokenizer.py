@@ -28,12 +28,13 @@ def sha256(tokenizer: Tokenizer) -> str:
 
 def read_tokenizer(path: str | Path, option: str) -> Tokenizer:
     """A tokenizer.json, or one line saying why it is none."""
+    text = jsonl.text(Path(path), option)
     try:
-        return Tokenizer.from_str(jsonl.text(Path(path), option))
-    except Exception as e:  # the Rust side raises a bare Exception
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{option}: cannot load {str(path)!r}: {e}") from None
+        return Tokenizer.from_str(text)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the Rust side raises a bare Exception, or panics (a BaseException) on some files
+        raise ConfigError(f"{option}: cannot load {str(path)!r}: {str(e)[:300]}") from None
 
 
 def load_tokenizer(path: str, option: str = "data.tokenizer") -> Tokenizer:

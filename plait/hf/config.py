@@ -18,7 +18,7 @@ import torch
 from plait import jsonl
 from plait.config import ConfigError
 from plait.hf.deepseek import deepseek_fields, deepseek_switches, holds_mtp
-from plait.hf.defaults import ROPE_SCALING
+from plait.hf.defaults import DEFAULTS, ROPE_SCALING
 from plait.hf.fields import Fields, family_fields
 from plait.jsonl import is_number
 from plait.models.flavors import ModelArgs
@@ -275,8 +275,8 @@ def window_fields(args: ModelArgs) -> dict:
                               f"full-attention blocks {list(args.full_layers)} among sliding ones (export it as qwen3)")
         fields = {"sliding_window": args.sliding_window or None}
         return fields | ({"use_sliding_window": bool(args.sliding_window)} if args.family == "qwen3_moe" else {})
-    if args.family == "gpt_oss":
-        return {"sliding_window": args.sliding_window or None, "layer_types": types}
+    if args.family == "gpt_oss":  # (its model needs a window even where no block slides: the class's default)
+        return {"sliding_window": args.sliding_window or DEFAULTS["gpt_oss"]["sliding_window"], "layer_types": types}
     if args.family in ("qwen2", "qwen3", "smollm3"):
         fields = {"use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None,
                   "layer_types": types}

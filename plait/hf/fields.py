@@ -48,7 +48,9 @@ class Fields:
         return value
 
     def integer(self, field: str, minimum: int = 1, required: bool = False) -> int | None:
-        return self.typed(field, lambda v: is_int(v) and v >= minimum, f"an integer >= {minimum}", required)
+        # (a size past 2^40 is no model any machine holds: refused, not handed to torch to overflow)
+        return self.typed(field, lambda v: is_int(v) and minimum <= v < 1 << 40, f"an integer >= {minimum} (and < 2^40)",
+                          required)
 
     def number(self, field: str, required: bool = False) -> float | None:
         value = self.typed(field, is_number, "a number", required)

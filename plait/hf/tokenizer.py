@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from plait.data import eos_id
+from plait.data.tokenizer import read_tokenizer
 
 TOKENIZER = "tokenizer.json"
 BOS_TOKENS = ("<|begin_of_text|>", "<s>")  # Llama 3's, Llama 2's / TinyLlama's
@@ -40,7 +41,7 @@ def companions(folder: Path, tokenizer: Tokenizer) -> dict[str, bytes]:
     config = folder / "config.json" if (folder / "config.json").is_file() else folder / SOURCE_CONFIG
     carried = {SOURCE_CONFIG: config.read_bytes()} if config.is_file() else {}
     own = folder / TOKENIZER
-    if own.is_file() and Tokenizer.from_file(str(own)).to_str() == tokenizer.to_str():
+    if own.is_file() and read_tokenizer(own, "checkpoint.load").to_str() == tokenizer.to_str():
         carried |= {name: (folder / name).read_bytes() for name in COMPANIONS if (folder / name).is_file()}
     return carried
 

@@ -326,7 +326,8 @@ def check(case: tuple) -> str:
             raise Counterexample(f"read outside the folder: {opened} ({described})")
         if code == 0 and (code, out) == expected:
             return "same output"
-        if code == 0 and mutation[0] == "value" and legal_change(old, mutation[2]):
+        # (plait reads a tokenizer.json through the tokenizers library: one it accepts is another tokenizer)
+        if code == 0 and mutation[0] == "value" and (legal_change(old, mutation[2]) or target.endswith("tokenizer.json")):
             return "other output (another legal value)"
         if code == 0 and mutation[0] in ("truncate", "file") and says_less(root / target):
             return "other output (a file that says less)"
@@ -351,5 +352,7 @@ PINNED = [
     ("metrics.jsonl", ("value", (0, "loss"), [])),
     ("job.toml", ("file", "binary")),
     ("corpus.jsonl", ("file", "/dev/zero")),
+    ("hf/config.json", ("value", ("hidden_size",), 10 ** 40)),  # torch's overflow (TypeError)
+    ("hf/tokenizer.json", ("truncate", 0.5)),  # the tokenizers library panics (a BaseException) on some
 ]
 GENERATOR = Generator(mutations(), check, PINNED)
