@@ -13,7 +13,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, fields
+from dataclasses import MISSING, asdict, fields
 from importlib.metadata import version
 from pathlib import Path
 
@@ -178,6 +178,9 @@ def manifest_model(manifest: dict, folder: Path, option: str) -> ModelArgs:
         raise ConfigError(f"{option}: {folder} records the model field(s) {', '.join(unknown)}, which this plait "
                           f"({version('plait')}) does not know: the checkpoint was written by a newer plait "
                           f"({manifest.get('plait', 'version not recorded')}); upgrade plait to read it")
+    required = [f.name for f in fields(ModelArgs) if f.default is MISSING and f.name not in manifest["model_args"]]
+    if required:
+        raise ConfigError(f"{option}: {folder}'s manifest records no {required[0]} of the model: {damaged(folder)}")
     hints = {f.name: f.type for f in fields(ModelArgs)}
     for name, value in manifest["model_args"].items():
         if not fits(value, hints[name]):

@@ -1,0 +1,191 @@
+"""Restart exactness over the option space, generated: a job of one or two ranks (a flavor: dense,
+MoE, MLA with MTP, windows with sinks; fp32 or bf16; float8 or MXFP8; AdamW or Muon; cosine or
+WSD; validation loss and task scores in the loop; activation checkpointing; FSDP2, DDP, TP, PP,
+CP or EP at two ranks) is run uninterrupted, and again stopped at a generated step (by the
+checkpoint interval: the run's later checkpoints removed; by SIGTERM; by SIGKILL after a save)
+and resumed with the same command. Property: every metrics row (all but the times) and the final
+weights are bitwise the same. A job the start-up checks refuse is counted, not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from hypothesis import strategies as st
+
+from plait.proof.fuzz import Counterexample, Generator
+
+STEPS = 6
+TIMEOUT = 600  # seconds a tiny job of six steps may take on a loaded machine before it counts as hung
+TIMED = ("tokens_per_sec", "mfu", "memory_gib", "step_time", "eval_time", "state_gib")  # (differ run to run)
+LAYOUTS = {"fsdp2": ["--parallelism.dp_shard", "2"], "ddp": ["--parallelism.dp_replicate", "2"],
+           "tp": ["--parallelism.tp", "2"], "pp": ["--parallelism.pp", "2"], "cp": ["--parallelism.cp", "2"],
+           "ep": ["--parallelism.ep", "2"]}
+
+
+@st.composite
+def jobs(draw) -> tuple[int, tuple[str, ...], str, int]:
+    """(ranks, the options, how the run stops, the step it stops at)."""
+    flavor = draw(st.sampled_from(["debug", "debug_moe", "debug_mla", "debug_gpt_oss"]))
+    options = ["--model.flavor", flavor, "--training.mixed_precision_param",
+               draw(st.sampled_from(["float32", "bfloat16"]))]
+    if flavor == "debug_mla" and draw(st.booleans()):
+        options += ["--model.mtp_layers", "1"]
+    options += ["--training.float8", draw(st.sampled_from(["none", "none", "tensorwise", "mxfp8"]))]
+    options += ["--optimizer.name", draw(st.sampled_from(["adamw", "muon"]))]
+    options += ["--training.lr_schedule", draw(st.sampled_from(["cosine", "wsd"])), "--training.warmup_steps", "2"]
+    if draw(st.booleans()):
+        options += ["--training.eval_interval", "2", "--training.eval_steps", "1", "--data.val_path", VALIDATION]
+    if draw(st.booleans()):
+        options += ["--eval.interval", "3", "--eval.limit", "4"]
+    options += ["--activation_checkpoint.mode", draw(st.sampled_from(["none", "full", "selective"]))]
+    world = draw(st.sampled_from([1, 2]))
+    if world == 2:
+        options += LAYOUTS[draw(st.sampled_from(sorted(LAYOUTS)))]
+    return world, tuple(options), draw(st.sampled_from(["interval", "sigterm", "sigkill"])), \
+        draw(st.integers(2, STEPS - 2))
+
+
+def validation_text() -> str:
+    """A validation set's file, written once per process (its path is in the generated options)."""
+    path = scratch() / "validation.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"text": f"held-out document {i}: the loss is measured here. " * 8}) + "\n"
+                                for i in range(200)))
+    return str(path)
+
+
+def command(world: int, options: tuple[str, ...], folder: Path) -> list[str]:
+    return [sys.executable, "-m", "plait", "train", "--nproc", str(world), *options, "--training.steps", str(STEPS),
+            "--training.threads", "1", "--checkpoint.folder", str(folder / "ckpt"), "--checkpoint.interval", "1",
+            "--metrics.jsonl", str(folder / "metrics.jsonl"), "--metrics.log_interval", "1"]
+
+
+def refusal(world: int, options: tuple[str, ...]) -> str | None:
+    """The start-up checks' one line, where they refuse the job (as `plait train --nproc` does first)."""
+    from plait.arguments import parse_args
+    from plait.checks import check_options
+    from plait.config import ConfigError
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            check_options(parse_args([*options, "--training.steps", str(STEPS)]), world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def run(argv: list[str], stop=None) -> subprocess.CompletedProcess:
+    """Run `argv` in a process group of its own; `stop(proc, line)` sees each output line and may
+    end the run (returning True once it has signalled it)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if stop is not None and stop(proc, line):
+                stop = None
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, "".join(out))
+
+
+@cache
+def uninterrupted(world: int, options: tuple[str, ...], root: str) -> tuple[Path, str]:
+    """The job run through once (every step saved): its folder and output."""
+    folder = Path(root) / f"whole-{abs(hash((world, options)))}"
+    done = run(command(world, options, folder))
+    if done.returncode != 0:
+        raise Counterexample(f"the uninterrupted run failed ({done.returncode}): {done.stdout[-3000:]}\n"
+                             f"{' '.join(command(world, options, folder))}")
+    return folder, done.stdout
+
+
+def stopper(kind: str, at: int, folder: Path):
+    """A `stop` for `run`: SIGTERM once step `at` is logged, or SIGKILL once step `at` is saved."""
+    def stop(proc, line):
+        if kind == "sigterm" and line.split("|")[0].split() == ["step", str(at)]:
+            os.killpg(proc.pid, signal.SIGTERM)
+            return True
+        if kind == "sigkill" and (folder / "ckpt" / f"step-{at}" / "plait.json").exists():
+            os.killpg(proc.pid, signal.SIGKILL)
+            return True
+        return False
+    return stop
+
+
+def rows(folder: Path) -> list[dict]:
+    from plait import jsonl
+
+    return [{k: v for k, v in row.items() if k not in TIMED} for row in jsonl.rows(folder / "metrics.jsonl")]
+
+
+def weights(folder: Path) -> dict:
+    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.manifest import manifest_model, read_manifest
+
+    last = folder / "ckpt" / f"step-{STEPS}"
+    return load_full_state_dict(last, manifest_model(read_manifest(last), last, "checkpoint"), "checkpoint")
+
+
+def check(job) -> str:
+    import torch
+
+    world, options, kind, at = job
+    options = tuple(validation_text() if o == VALIDATION else o for o in options)
+    if refusal(world, options) is not None:
+        return "refused at start-up"
+    root = scratch()
+    whole, _ = uninterrupted(world, options, str(root))
+    folder = Path(tempfile.mkdtemp(dir=root))
+    try:
+        argv = command(world, options, folder)
+        case = f"{kind} at step {at}: {' '.join(argv[1:])}"
+        if kind == "interval":  # the whole run's saves up to step `at`, its metrics up to there
+            shutil.copytree(whole / "ckpt", folder / "ckpt",
+                            ignore=lambda d, names: [n for n in names if n.startswith("step-") and
+                                                     n.split("-")[1].isdigit() and int(n.split("-")[1]) > at])
+            shutil.copy(whole / "metrics.jsonl", folder / "metrics.jsonl")
+        else:
+            first = run(argv, stopper(kind, at, folder))
+            if first.returncode == 0 and kind == "sigkill":
+                return "skipped: the run ended before the signal"
+        resumed = run(argv)
+        if resumed.returncode != 0:
+            raise Counterexample(f"the resumed run failed ({resumed.returncode}): {resumed.stdout[-3000:]}\n{case}")
+        if rows(folder) != rows(whole):
+            differ = next(i for i, (a, b) in enumerate(zip(rows(folder), rows(whole))) if a != b) \
+                if len(rows(folder)) == len(rows(whole)) else "count"
+            raise Counterexample(f"metrics differ after the restart (row {differ}): {rows(folder)} vs {rows(whole)}"
+                                 f"\n{case}")
+        ours, theirs = weights(folder), weights(whole)
+        if any(not torch.equal(ours[k], theirs[k]) for k in theirs):
+            raise Counterexample(f"final weights differ after the restart\n{case}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return f"bitwise ({kind})"
+
+
+@cache
+def scratch() -> Path:
+    return Path(tempfile.mkdtemp(prefix="plait-fuzz-restart-"))
+
+
+VALIDATION = "{validation}"  # (in the drawn options; the file's path once the case runs)
+
+
+GENERATOR = Generator(jobs(), check)
