@@ -25,6 +25,17 @@ from plait.optim.schedule import check_schedule
 from plait.metrics.wandb_log import check_wandb
 
 
+# Upper limits past anything a run trains (2^24 tokens a sequence, 2^24 sequences a batch): a value
+# beyond is a typo, and would overflow a tensor's size or search a plan without end.
+LIMITS = {"steps": 1 << 40, "global_batch_size": 1 << 24, "seq_len": 1 << 24}
+
+
+def check_sizes(cfg: JobConfig) -> None:
+    for name, most in LIMITS.items():
+        if not 1 <= getattr(cfg.training, name) <= most:
+            raise ConfigError(f"training.{name}: must be from 1 to {most:,}, got {getattr(cfg.training, name)}")
+
+
 def check_options(cfg: JobConfig, world: int) -> JobConfig:
     """Every option against the others and the device, for `world` ranks; fills in the derived
     defaults (micro_batch_size, dp_shard, ...) as `validate` does. ConfigError if wrong."""
@@ -107,9 +118,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
 
         if not torch.cuda.is_available():
             raise ConfigError("training.device: cuda was asked for but no CUDA device is available; allowed: auto, cpu")
-    for name in ("steps", "global_batch_size", "seq_len"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"training.{name}: must be >= 1, got {getattr(t, name)}")
+    check_sizes(cfg)
     for name in ("lr", "max_norm", "weight_decay"):
         if not math.isfinite(getattr(t, name)):  # NaN passes every comparison below
             raise ConfigError(f"training.{name}: must be a finite number, got {getattr(t, name)}")

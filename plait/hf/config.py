@@ -254,7 +254,9 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
                               "renormalised; this model differs (export it as qwen3_moe)")
         computed |= {"num_local_experts": args.n_experts, "num_experts_per_tok": args.top_k,
                      "intermediate_size": args.moe_hidden}
-        if args.head_dim == args.dim // args.n_heads:  # transformers' Mixtral writes its default as null
+        # transformers' Mixtral writes its default as null; but its RoPE scalings read a null head_dim as
+        # given (a TypeError): with one, the number
+        if args.head_dim == args.dim // args.n_heads and not args.rope_scaling:
             computed["head_dim"] = None
     if args.family == "qwen3_moe":
         computed |= {"num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "decoder_sparse_step": 1,

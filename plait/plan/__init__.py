@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from plait.arguments import parse, parse_args
+from plait.checks import check_sizes
 from plait.config import ConfigError, JobConfig, job_tokenizer, start_folder
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer, num_params
@@ -204,6 +205,7 @@ def main(argv: list[str]) -> int:
     if not opts.calibration and opts.device not in (*DATA_SHEETS, "cpu"):
         raise ConfigError(f"device: {opts.device!r} unknown; allowed: {', '.join([*DATA_SHEETS, 'cpu'])}")
     base = parse_args(rest, prog="plait plan")
+    check_sizes(base)  # (before a search over the batch's divisors)
     args = model_shape(base)
     cal = load(opts.device, opts.calibration)
     rows, refused = predict(base, args, opts.world, opts.device_memory_gib, cal, opts.node_size)

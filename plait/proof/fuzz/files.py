@@ -324,6 +324,8 @@ def check(case: tuple) -> str:
             raise Counterexample(f"{type(e).__name__}: {e} ({described})\n{traceback.format_exc()}") from None
         if opened:
             raise Counterexample(f"read outside the folder: {opened} ({described})")
+        if code == 1 and "plan: fits nowhere" in out:  # (plan's answer that no layout fits: exit code 1)
+            code = 0
         if code == 0 and (code, out) == expected:
             return "same output"
         # (plait reads a tokenizer.json through the tokenizers library: one it accepts is another tokenizer)
@@ -356,6 +358,8 @@ PINNED = [
     ("job.toml", ("file", "binary")),
     ("corpus.jsonl", ("file", "/dev/zero")),
     ("hf/config.json", ("value", ("hidden_size",), 10 ** 40)),  # torch's overflow (TypeError)
+    ("job.toml", ("value", ("training", "global_batch_size"), 10 ** 40)),  # plan searched its divisors: a hang
+    ("job.toml", ("value", ("training", "seq_len"), 10 ** 40)),
     ("hf/tokenizer.json", ("truncate", 0.5)),  # the tokenizers library panics (a BaseException) on some
 ]
 GENERATOR = Generator(mutations(), check, PINNED)
