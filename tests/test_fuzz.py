@@ -44,4 +44,4 @@ def test_every_train_option_near_and_past_its_limits_is_accepted_or_refused_in_o
 def test_a_run_stopped_anywhere_and_resumed_equals_the_run_uninterrupted():
     # (each case is three short runs of one or two ranks: the budget is small here, long runs
     # go through `python -m plait.proof.fuzz restart`)
-    prove("restart", 2, set())
+    prove("restart", 1, set())

@@ -247,7 +247,7 @@ def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     if differ:
         raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
-    used = [hf for n in parameter_names(args) + buffer_names(args) for hf in hf_names(n, args)]
+    used = [hf for n in parameter_shapes(args)[0] + buffer_names(args) for hf in hf_names(n, args)]
     missing = [hf for hf in used if hf not in present]
     if missing:
         raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
@@ -269,12 +269,15 @@ def no_weight(name: str, args: ModelArgs) -> bool:
         args.family == "deepseek_v3" and layer is not None and int(layer.group(1)) >= args.n_layers)
 
 
-def parameter_names(args: ModelArgs) -> list[str]:
-    """The model's parameters by plait name, each once (a tied output layer is the embedding)."""
+def parameter_shapes(args: ModelArgs) -> tuple[list[str], dict[str, torch.Size]]:
+    """The model's parameters by plait name, each once (a tied output layer is the embedding), and
+    the shape of each parameter and buffer."""
     from plait.models.transformer import Transformer
 
     with torch.device("meta"):
-        return [name for name, _ in Transformer(args).named_parameters()]
+        model = Transformer(args)
+    return [name for name, _ in model.named_parameters()], \
+        {name: t.shape for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
 def buffer_names(args: ModelArgs) -> list[str]:
@@ -291,7 +294,8 @@ class HFWeights(Mapping):
     asked for: a rank holds one full tensor at a time while it cuts its shard, never the model."""
 
     def __init__(self, folder: Path, args: ModelArgs, option: str):
-        self.args, self.names, self.files = args, parameter_names(args), check(folder, args, option)
+        self.args, self.option, self.files = args, option, check(folder, args, option)
+        self.names, self.shapes = parameter_shapes(args)
         self.buffers = {name: self[name] for name in buffer_names(args)}  # (small: read at once)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -299,11 +303,18 @@ class HFWeights(Mapping):
         for hf in hf_names(name, self.args):
             with safe_open(str(self.files[hf]), "pt") as weights:
                 pieces.append(weights.get_tensor(hf).float())
-        tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
-        if self.args.family == "gpt_oss" and ".experts." in name:
-            tensor = gpt_oss_expert(name, tensor).contiguous()
-        if name.endswith(ROPE_ORDERED) and not self.args.kv_lora_rank:
-            tensor = from_hf_rope_order(tensor, self.args.head_dim)
+        try:
+            tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
+            if self.args.family == "gpt_oss" and ".experts." in name:
+                tensor = gpt_oss_expert(name, tensor).contiguous()
+            if name.endswith(ROPE_ORDERED) and not self.args.kv_lora_rank:
+                tensor = from_hf_rope_order(tensor, self.args.head_dim)
+        except RuntimeError:  # (a shape the reordering cannot take: refused below)
+            tensor = None
+        if tensor is None or tensor.shape != self.shapes[name]:
+            raise ConfigError(f"{self.option}: {self.files[hf_names(name, self.args)[0]].parent}'s "
+                              f"{hf_names(name, self.args)[0]} has the shape {list(pieces[0].shape)}, not the one "
+                              "the model of its config.json has: the config.json describes another model")
         return tensor
 
     def __iter__(self):

@@ -67,20 +67,17 @@ def make_checkpoint(folder: Path, shard_mb: int) -> None:
     import torch
 
     from plait.hf.config import hf_config
-    from plait.hf.weights import parameter_names, write_weights
+    from plait.hf.weights import parameter_shapes, write_weights
     from plait.models.flavors import FLAVORS
-    from plait.models.transformer import Transformer
 
     if (folder / "config.json").exists():
         return
     args = replace(FLAVORS["llama3_1b"], vocab_size=128256, tie_embeddings=True, max_seq_len=131072,
                    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192})
-    with torch.device("meta"):
-        shapes = dict(Transformer(args).named_parameters())
+    names, shapes = parameter_shapes(args)
     generator = torch.Generator().manual_seed(0)
-    state = {name: (torch.randn(shapes[name].shape, generator=generator) * 0.02).bfloat16()
-             for name in parameter_names(args)}
+    state = {name: (torch.randn(shapes[name], generator=generator) * 0.02).bfloat16() for name in names}
     write_weights(state, args, folder, torch.bfloat16, shard_mb << 20)
     (folder / "config.json").write_text(json.dumps(hf_config(args, torch.bfloat16, None, None), indent=1))
 

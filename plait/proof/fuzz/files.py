@@ -358,6 +358,7 @@ PINNED = [
     ("job.toml", ("file", "binary")),
     ("corpus.jsonl", ("file", "/dev/zero")),
     ("hf/config.json", ("value", ("hidden_size",), 10 ** 40)),  # torch's overflow (TypeError)
+    ("hf/config.json", ("value", ("num_key_value_heads",), None)),  # k_proj's shape: a RuntimeError in copy_
     ("job.toml", ("value", ("training", "global_batch_size"), 10 ** 40)),  # plan searched its divisors: a hang
     ("job.toml", ("value", ("training", "seq_len"), 10 ** 40)),
     ("hf/tokenizer.json", ("truncate", 0.5)),  # the tokenizers library panics (a BaseException) on some

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import types
 import typing
 from dataclasses import fields, is_dataclass
 from functools import cache
@@ -61,7 +62,7 @@ def values(hint) -> st.SearchStrategy:
         return st.sampled_from(["", "x", "/nonexistent/path", "..", "a b"]).map(lambda v: [v])
     if origin in (tuple, list):
         return st.lists(values(args[0]), max_size=3).map(lambda vs: [w for v in vs for w in v])
-    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+    if origin in (typing.Union, types.UnionType):
         return st.one_of(*(values(a) for a in args if a is not type(None)))
     return st.just(["x"])
 
