@@ -37,14 +37,10 @@ SEPARATORS = "a\u2028b\u0085c\u2029d\x0be"
 OUTSIDE = "outside"  # the folder beside the input that no command may read from
 
 
-def base() -> Path:
+@cache
+def template() -> Path:
     """The unmutated inputs, made once per process: a plait checkpoint of the debug model, its
     export as a sharded Hugging Face folder, a tokenized folder, and the small files."""
-    return _base(Path(tempfile.mkdtemp(prefix="plait-fuzz-files-")))
-
-
-@cache
-def _base(root: Path) -> Path:
     import torch
 
     from plait.cli import main
@@ -52,6 +48,7 @@ def _base(root: Path) -> Path:
     from plait.hf.weights import write_weights
     from plait.checkpoint.manifest import read_manifest, manifest_model
 
+    root = Path(tempfile.mkdtemp(prefix="plait-fuzz-files-"))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         corpus = root / "corpus.jsonl"
         corpus.write_text("".join(json.dumps({"text": f"document {i}: plait trains models " * 4}) + "\n"
@@ -110,7 +107,7 @@ def json_paths(value, prefix=()) -> list[tuple]:
 
 @cache
 def target_paths(target: str) -> list[tuple]:
-    text = (_template() / target).read_text(errors="replace") if target != "ckpt/.metadata" else ""
+    text = (template() / target).read_text(errors="replace") if target != "ckpt/.metadata" else ""
     if target.endswith(".json"):
         return json_paths(json.loads(text))[1:]
     if target.endswith(".jsonl"):
@@ -118,11 +115,6 @@ def target_paths(target: str) -> list[tuple]:
     if target.endswith(".toml"):
         return json_paths(tomllib.loads(text))[1:]
     return []
-
-
-@cache
-def _template() -> Path:
-    return base()
 
 
 def values(target: str) -> st.SearchStrategy:
@@ -194,11 +186,8 @@ def replaced(document, where: tuple, value):
     if not where:
         return value
     head, rest = where[0], where[1:]
-    if not rest and value == "DROP":
-        if isinstance(document, dict):
-            document.pop(head)
-        else:
-            document.pop(head)
+    if not rest and value == "DROP":  # (a key of an object, an entry of a list)
+        document.pop(head)
         return document
     document[head] = replaced(document[head], rest, value)
     return document
@@ -302,8 +291,8 @@ def says_less(path: Path) -> bool:
 
 def copy(tmp: Path) -> Path:
     root = tmp / "in"
-    shutil.copytree(_template(), root, symlinks=True)
-    shutil.copytree(_template(), root / OUTSIDE, symlinks=True)  # (what an escaping path would find)
+    shutil.copytree(template(), root, symlinks=True)
+    shutil.copytree(template(), root / OUTSIDE, symlinks=True)  # (what an escaping path would find)
     return root
 
 
