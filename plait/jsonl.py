@@ -47,6 +47,16 @@ def document(path: Path, option: str):
         raise ConfigError(f"{option}: {path} is not JSON: {e}") from None
 
 
+def object_or_none(path: Path) -> dict | None:
+    """The JSON object `path` holds; None where it holds none (missing, damaged, a link to a device):
+    for files plait writes itself, whose absence or damage means a save that never completed."""
+    try:
+        value = document(path, str(path))
+    except ConfigError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def lines(path: Path, option: str, hint: str = "") -> list[tuple[int, str]]:
     """(line number, line) of each line of `path` that is not blank; `hint` follows a refusal."""
     try:

@@ -44,16 +44,7 @@ MUON_ONLY = ("momentum", "ns_steps")  # options AdamW has no use for: neither re
 
 
 def read_manifest(folder: Path) -> dict | None:
-    return _read_json(folder / MANIFEST)
-
-
-def _read_json(path: Path) -> dict | None:
-    """The object `path` holds; None where it holds none (missing, damaged: not a complete checkpoint)."""
-    try:
-        value = jsonl.document(path, str(path))
-    except ConfigError:
-        return None
-    return value if isinstance(value, dict) else None
+    return jsonl.object_or_none(folder / MANIFEST)
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
@@ -218,7 +209,7 @@ def check_owner(root: str, identity: dict) -> None:
     """Refuse, with one line, a checkpoint.folder that another job owns: sharing one, two jobs
     would delete each other's saves in flight as debris, prune each other's checkpoints and
     resume from each other's."""
-    owner = _read_json(Path(root) / OWNER) if root else None
+    owner = jsonl.object_or_none(Path(root) / OWNER) if root else None
     if owner is not None:
         owner = {**owner, "model_args": saved_model(owner, Path(root) / OWNER, "checkpoint.folder")}
     if owner is not None and owner != identity:

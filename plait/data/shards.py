@@ -49,15 +49,6 @@ def is_tokenized(path: str | Path) -> bool:
     return p.is_dir() and ((p / MANIFEST).exists() or (p / PARTIAL).exists())
 
 
-def _read_json(path: Path) -> dict | None:
-    """The object `path` holds; None where it holds none (missing, damaged, a link to a device)."""
-    try:
-        value = jsonl.document(path, str(path))
-    except ConfigError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def _write_json(path: Path, value: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value, indent=1))
@@ -135,7 +126,7 @@ def _finished_shards(out: Path, settings: dict) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
     done: dict[int, dict] = {}
     for path in (out / MANIFEST, out / PARTIAL):
-        earlier = _read_json(path)
+        earlier = jsonl.object_or_none(path)
         if earlier is not None and {k: earlier.get(k) for k in settings} != settings:
             differ = [SETTING_NAMES[k] for k in settings if earlier.get(k) != settings[k]]
             raise ConfigError(f"out: {out} holds tokens made with another {' and '.join(differ)}; remove it or "
@@ -144,7 +135,7 @@ def _finished_shards(out: Path, settings: dict) -> dict[int, dict]:
             done = dict(enumerate(earlier["shards"]))
             path.unlink()  # from here on the folder is unfinished until the new manifest
     for sidecar in sorted(out.glob("shard-*.json")):
-        if (entry := _read_json(sidecar)) is not None:
+        if (entry := jsonl.object_or_none(sidecar)) is not None:
             done[int(SHARD.match(sidecar.name).group(1))] = entry
     return done
 
@@ -201,7 +192,7 @@ class TokenizedFolder:
     def __init__(self, path: str | Path, option: str = "data.path", label: str = ""):
         self.path = Path(path)
         self.label = label or str(path)  # what errors call it: the user's raw-text path for a cache entry
-        manifest = _read_json(self.path / MANIFEST)
+        manifest = jsonl.object_or_none(self.path / MANIFEST)
         if manifest is None:
             unfinished = (self.path / PARTIAL).exists()
             raise ConfigError(f"{option}: {path} " + ("is an unfinished `plait tokenize`: run it again to finish it"
