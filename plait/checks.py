@@ -12,7 +12,7 @@ from pathlib import Path
 
 from plait.checkpoint.manifest import checkpoint_in
 from plait.config import ConfigError, JobConfig, dp_degree, job_tokenizer, start_folder
-from plait.data.mixture import mix_sources
+from plait.data.mixture import check_mix
 from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
 from plait.parallel.context_parallel import check_context_parallel
@@ -148,7 +148,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if cfg.data.mix:
         if cfg.data.path:
             raise ConfigError("data.mix: give data.path or data.mix, not both")
-        mix_sources(cfg.data.mix)
+        check_mix(cfg.data.mix, cfg.data.tokenizer)
     if t.eval_interval < 0 or t.eval_steps < 1:
         raise ConfigError(f"training.eval_interval must be >= 0 and eval_steps >= 1, got {t.eval_interval}, "
                           f"{t.eval_steps}")

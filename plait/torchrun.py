@@ -18,6 +18,7 @@ if __name__ == "__main__":
 
 import torch.distributed.elastic.multiprocessing.api as elastic  # noqa: E402
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import main  # noqa: E402
 
 from plait.cli import die_with_parent  # noqa: E402
@@ -45,3 +46,9 @@ if __name__ == "__main__":
         main()
     except SignalException as e:
         sys.exit(128 + int(e.sigval))
+    except ChildFailedError as e:
+        # A worker that refused the job (exit 2) has said why in one line; torchrun's report of
+        # it would bury that line under a traceback. Any other failure keeps the report.
+        if e.get_first_failure()[1].exitcode != 2:
+            raise
+        sys.exit(2)

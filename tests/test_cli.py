@@ -112,3 +112,23 @@ def test_more_ranks_than_gpus_cannot_start(launched, monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "plait: error: nproc: 2 ranks need a GPU each, this machine has 1 (training.device cpu runs them on CPU cores)"]
     assert launched == []
+
+
+def test_a_refusal_from_the_ranks_is_their_line_without_torchrun_s_traceback(tmp_path):
+    """What only the ranks can check (here: a validation file too short for one batch) ends the
+    job with exit 2 and the ranks' one line; torchrun's ChildFailedError report of it is left out
+    (found by the options generator, docs/proofs.md). A crash keeps torchrun's report."""
+    import subprocess
+    import sys
+
+    val = tmp_path / "val.txt"
+    val.write_text("too short a validation text\n")
+    proc = subprocess.run([sys.executable, "-m", "plait", "train", "--nproc", "2", *TINY, "--training.steps", "1",
+                           "--data.val_path", str(val), "--training.eval_interval", "1"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+    assert {line for line in proc.stderr.splitlines() if line.startswith("plait:")} == {
+        f"plait: error: data.val_path: {val} has 0 sequences of training.seq_len=64, fewer than training.eval_steps x "
+        "global_batch_size = 4 x 4 = 16: not even one global batch: more validation text, or a smaller "
+        "training.global_batch_size or seq_len"}

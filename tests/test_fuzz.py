@@ -38,7 +38,14 @@ def test_every_file_plait_reads_mutated_gives_its_result_or_one_line():
 
 
 def test_every_train_option_near_and_past_its_limits_is_accepted_or_refused_in_one_line():
-    prove("options", 150, {"accepted", "refused"})
+    from plait.proof.fuzz.options import STARTUP
+
+    prove("options", 150, {"accepted", "refused"}, STARTUP)
+
+
+def test_a_job_the_start_up_accepts_trains_at_its_one_device_reference_s_loss():
+    # (each case trains two steps twice: the pinned cases and a few generated ones)
+    prove("options", 4, {"trained at the reference's loss (fp32)"})
 
 
 def test_a_run_stopped_anywhere_and_resumed_equals_the_run_uninterrupted():

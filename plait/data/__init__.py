@@ -17,7 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from plait.config import ConfigError, Data
-from plait.data.mixture import mix_sources
+from plait.data.mixture import RAW_NEEDS_TOKENIZER, mix_sources
 from plait.data.documents import fingerprint, load_texts
 from plait.data.loader import BatchLoader, eval_batches
 from plait.data.shards import FORMAT, MANIFEST, TOKENIZER, TokenizedFolder, is_tokenized, write_folder
@@ -62,7 +62,7 @@ def _given_tokenizer(cfg: Data) -> Tokenizer | None:
         if is_tokenized(path):
             return load_tokenizer(str(Path(path) / TOKENIZER), option)
     if cfg.mix:
-        raise ConfigError("data.mix: raw-text sources need data.tokenizer (or tokenize them first: plait tokenize)")
+        raise ConfigError(RAW_NEEDS_TOKENIZER)
     return None
 
 

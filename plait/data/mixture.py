@@ -6,6 +6,9 @@ import math
 from pathlib import Path
 
 from plait.config import ConfigError
+from plait.data.shards import is_tokenized
+
+RAW_NEEDS_TOKENIZER = "data.mix: raw-text sources need data.tokenizer (or tokenize them first: plait tokenize)"
 
 
 def mix_sources(spec: str) -> list[tuple[str, float]]:
@@ -26,3 +29,10 @@ def mix_sources(spec: str) -> list[tuple[str, float]]:
     if sum(w for _, w in sources) <= 0:
         raise ConfigError(f"data.mix: the weights of {spec!r} sum to 0; at least one must be > 0")
     return sources
+
+
+def check_mix(spec: str, tokenizer: str) -> None:
+    """The mixture read, and a tokenizer it can use: data.tokenizer or a tokenized source's (raw
+    sources cannot each train their own BPE). At start-up: before any rank starts."""
+    if not tokenizer and not any(is_tokenized(path) for path, _ in mix_sources(spec)):
+        raise ConfigError(RAW_NEEDS_TOKENIZER)

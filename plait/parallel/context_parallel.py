@@ -92,6 +92,8 @@ def check_heads(args: ModelArgs, cfg: JobConfig) -> None:
 
 def chunk_indices(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
     """The sequence indices cp rank `rank` holds: chunks rank and 2·cp-1-rank of 2·cp."""
+    if cp == 1:  # the whole sequence in order, of any length (an odd one has no two equal chunks)
+        return torch.arange(seq_len, device=device)
     chunk = seq_len // (2 * cp)
     index = torch.arange(seq_len, device=device).view(2 * cp, chunk)
     return torch.cat([index[rank], index[2 * cp - 1 - rank]])

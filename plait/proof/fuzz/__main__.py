@@ -1,4 +1,4 @@
-"""python -m plait.proof.fuzz {hf,restart,options,files} --examples N [--seed S]: one generator
+"""python -m plait.proof.fuzz {hf,restart,options,startup,files} --examples N [--seed S]: one generator
 for as long as asked; prints how the cases ended, or the shrunk counter-example (which says how
 to reproduce it) and exits 1."""
 
@@ -11,7 +11,10 @@ import time
 
 from plait.proof.fuzz import Counterexample, run
 
-MODULES = {"hf": "hf_configs", "restart": "restart", "options": "options", "files": "files"}
+# generator -> (module, its attribute): `startup` is the options generator's start-up half over
+# values past every limit, without training (cheap: no rank starts).
+MODULES = {"hf": ("hf_configs", "GENERATOR"), "restart": ("restart", "GENERATOR"), "options": ("options", "GENERATOR"),
+           "startup": ("options", "STARTUP"), "files": ("files", "GENERATOR")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=100, help="generated cases to run (the pinned ones run too)")
     parser.add_argument("--seed", type=int, default=0, help="the generation's seed: the same seed, the same cases")
     opts = parser.parse_args(argv)
-    generator = importlib.import_module(f"plait.proof.fuzz.{MODULES[opts.generator]}").GENERATOR
+    module, attribute = MODULES[opts.generator]
+    generator = getattr(importlib.import_module(f"plait.proof.fuzz.{module}"), attribute)
     start = time.perf_counter()
     try:
         outcomes = run(generator, opts.examples, opts.seed)
