@@ -24,7 +24,7 @@ from plait.proof.fuzz.restart import validation_text
 # update's reordering into the second loss: 1e-5. bf16 and float8: the matrix's largest bound,
 # MLA under TP in bf16 (3e-3: a bf16 rounding of an activation flips and the step carries it).
 BOUNDS = {"fp32": 1e-5, "low": 3e-3}
-COMPARED = ("loss", "val_loss")
+COMPARED = ("loss", "val_loss", "grad_norm", "aux_loss")
 # In-loop scores against `plait eval`'s, relative, for the log-likelihood means (gold_loss): the
 # two forward the requests in batches of other sizes, and a CPU matmul's blocking (so its sums'
 # order) depends on the rows it multiplies: measured 4.5e-10 (8.7934079557 vs 8.7934079597).
