@@ -31,10 +31,16 @@ def hf_start_lines(cfg: JobConfig) -> list[str]:
     user did not set (given_options); nothing for any other run."""
     if hf_folder(cfg) is None:
         return []
+    left = left_at_debug_defaults(cfg, DEBUG_CHOICES)
+    return [describe(cfg), *([debug_defaults_warning(left, cfg.checkpoint.load)] if left else [])]
+
+
+def left_at_debug_defaults(cfg: JobConfig, names: tuple[str, ...]) -> list[str]:
+    """`training.NAME value` for each of `names` the user did not set (given_options)."""
     given = given_options(cfg)
-    left = [f"training.{name} {getattr(cfg.training, name):g}" for name in DEBUG_CHOICES
-            if f"training.{name}" not in given]
-    warning = (f"plait: warning: left at the debug job's defaults (picked for a 1.4M-parameter model on the bundled "
-               f"corpus, not for {cfg.checkpoint.load}): {', '.join(left)}; set them for this model "
-               "(plait train --help)")
-    return [describe(cfg), *([warning] if left else [])]
+    return [f"training.{name} {getattr(cfg.training, name):g}" for name in names if f"training.{name}" not in given]
+
+
+def debug_defaults_warning(left: list[str], model: str, then: str = "set them for this model (plait train --help)") -> str:
+    return (f"plait: warning: left at the debug job's defaults (picked for a 1.4M-parameter model on the bundled "
+            f"corpus, not for {model}): {', '.join(left)}; {then}")

@@ -319,3 +319,36 @@ def test_the_manual_shows_what_plan_prints(capsys):
     assert command[:2] == ["plait", "plan"] and main(command[1:]) == 0
     shown = page.split("regenerates it and fails if this page drifts):\n\n```text\n")[1].split("\n```")[0]
     assert shown == capsys.readouterr().out.rstrip()
+
+
+@pytest.mark.parametrize("given", [["--parallelism.tp", "2"], ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"],
+                                   ["--parallelism.tp", "1", "--parallelism.dp_replicate", "2"]])
+def test_every_degree_given_is_held_fixed(given, capsys):
+    """A degree on the command line (or in the config) is the user's decision: every row has it,
+    an explicit 1 included; the others are searched (issue 62: tp was ignored)."""
+    assert main(["plan", "--world", "8", "--device_memory_gib", "80", "--json", "--top", "0", *TINY, *given]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    held = {f"{name[len('--parallelism.'):]}={value}" for name, value in zip(given[::2], given[1::2])}
+    assert rows and all(held <= set(r["layout"].split(",")) for r in rows), {r["layout"] for r in rows}
+    assert len({r["layout"] for r in rows}) > 1  # (the rest still searched)
+
+
+@pytest.mark.parametrize("given, message", [
+    (["--parallelism.tp", "3"], "parallelism.tp: 3 does not divide the world of 8 ranks; allowed: 1, 2, 4, 8 (or "
+                                "leave it out: plan searches it)"),
+    (["--parallelism.tp", "4", "--parallelism.pp", "4"], "parallelism: pp 4 x tp 4 = 16 ranks do not divide the "
+                                                         "world of 8")])
+def test_degrees_that_cannot_make_the_world_are_refused_in_one_line(given, message, capsys):
+    assert main(["plan", "--world", "8", "--device_memory_gib", "80", *TINY, *given]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"plait: error: {message}"]
+
+
+def test_a_batch_left_at_the_debug_job_s_is_said_and_written_into_the_command(capsys):
+    """An 8B planned on the debug job's 16 x 128 tokens: a warning, and the command carries the
+    batch the rows assumed (the run is the plan's)."""
+    assert main(["plan", "--world", "8", "--device_memory_gib", "80", "--model.flavor", "llama3_8b", "--top", "1"]) == 0
+    out = capsys.readouterr()
+    assert "plait: warning: left at the debug job's defaults (picked for a 1.4M-parameter model on the bundled " \
+           "corpus, not for llama3_8b): training.seq_len 128, training.global_batch_size 16; the plan is for them" \
+           in out.err
+    assert "--training.seq_len 128 --training.global_batch_size 16 " in out.out.split("plan: run it: ")[1]

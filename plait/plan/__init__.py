@@ -36,6 +36,7 @@ from plait.checks import check_sizes
 from plait.config import ConfigError, JobConfig, job_tokenizer, start_folder
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer, num_params
+from plait.hyperparameters import debug_defaults_warning, left_at_debug_defaults
 from plait.plan.calibration import DATA_SHEETS, Calibration, load
 from plait.plan.search import AC_MODES, GIB, Row, predict
 
@@ -214,7 +215,13 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"world: no layout of {opts.world} ranks can run this job: {reasons}")
     header = {k: v for k, v in assumptions(base, args, opts, cal).items() if v}
     best = next((r for r in rows if r.fits), None)
-    command = launch_command(best, rest, opts.world, opts.node_size) if best else ""
+    # The batch the rows assume, in the command too: without it, the run would not be the plan's.
+    assumed = left_at_debug_defaults(base, ("seq_len", "global_batch_size"))
+    if assumed and not base.model.flavor.startswith("debug"):
+        print(debug_defaults_warning(assumed, base.model.flavor, "the plan is for them: set them for this model "
+                                     "(--training.seq_len, --training.global_batch_size)"), file=sys.stderr)
+    shown_assumed = [word for option in assumed for word in (f"--{option.split()[0]}", option.split()[1])]
+    command = launch_command(best, [*rest, *shown_assumed], opts.world, opts.node_size) if best else ""
     shown = rows[:opts.top] if opts.top else rows
     if opts.json:
         print(json.dumps({"assumptions": header, "rows": [asdict(r) for r in shown], "command": command,

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from collections import Counter
 from dataclasses import dataclass
 
+from plait.arguments import given_options
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig
 from plait.models.flavors import ModelArgs
@@ -28,22 +30,48 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world: int, args: ModelArgs, cp: int = 0, ep: int = 0,
+DEGREES = ("pp", "tp", "cp", "dp_replicate", "dp_shard", "ep")
+
+
+def fixed_degrees(cfg: JobConfig, world: int) -> dict[str, int]:
+    """The degrees the job gives (on the command line or in its config; dp_shard -1 is "the rest",
+    not a degree), which the search holds fixed; ConfigError where they cannot make `world`."""
+    given = given_options(cfg)
+    p = cfg.parallelism
+    fixed = {name: getattr(p, name) for name in DEGREES
+             if f"parallelism.{name}" in given and not (name == "dp_shard" and p.dp_shard == -1)}
+    for name, degree in fixed.items():
+        if degree < 1 or world % degree:
+            raise ConfigError(f"parallelism.{name}: {degree} does not divide the world of {world} ranks; allowed: "
+                              f"{', '.join(map(str, divisors(world)))} (or leave it out: plan searches it)")
+    product = math.prod(degree for name, degree in fixed.items() if name != "ep")  # (ep borrows dp_shard x cp)
+    if world % product:
+        shown = " x ".join(f"{name} {degree}" for name, degree in fixed.items() if name != "ep")
+        raise ConfigError(f"parallelism: {shown} = {product} ranks do not divide the world of {world}")
+    return fixed
+
+
+def layouts(world: int, args: ModelArgs, fixed: dict[str, int] | None = None,
             cp_kinds: tuple[str, ...] = CP_KINDS) -> list[Layout]:
-    """Every (pp, dp_replicate, dp_shard, tp, cp) whose product is the world size; `cp`/`ep`
-    fixed where given (> 0), and every cp > 1 in each of `cp_kinds` (hybrid with every Ulysses
-    degree strictly between 1 and cp). A mixture of experts also tries every ep that divides
-    dp_shard x cp and its experts."""
+    """Every (pp, dp_replicate, dp_shard, tp, cp) whose product is the world size, the degrees in
+    `fixed` held at their value, and every cp > 1 in each of `cp_kinds` (hybrid with every
+    Ulysses degree strictly between 1 and cp). A mixture of experts also tries every ep that
+    divides dp_shard x cp and its experts."""
+    fixed = fixed or {}
+
+    def choices(name: str, n: int) -> list[int]:
+        return ([fixed[name]] if n % fixed[name] == 0 else []) if name in fixed else divisors(n)
+
     found = []
-    for pp in divisors(world):
-        for tp in divisors(world // pp):
-            for c in ([cp] if cp else divisors(world // (pp * tp))):
-                if (world // (pp * tp)) % c:
-                    continue
-                for r in divisors(world // (pp * tp * c)):
+    for pp in choices("pp", world):
+        for tp in choices("tp", world // pp):
+            for c in choices("cp", world // (pp * tp)):
+                for r in choices("dp_replicate", world // (pp * tp * c)):
                     shard = world // (pp * tp * c * r)
-                    experts = [ep] if ep else [e for e in divisors(shard * c) if args.n_experts % e == 0] \
-                        if args.n_experts else [1]
+                    if shard != fixed.get("dp_shard", shard):
+                        continue
+                    experts = [fixed["ep"]] if "ep" in fixed else \
+                        [e for e in divisors(shard * c) if args.n_experts % e == 0] if args.n_experts else [1]
                     kinds = [(kind, 0) for kind in cp_kinds if kind != "hybrid"] if c > 1 else [(CP_KINDS[0], 0)]
                     if c > 1 and "hybrid" in cp_kinds:
                         kinds += [("hybrid", d) for d in divisors(c)[1:-1]]
@@ -159,7 +187,7 @@ def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, cal
     p = base.parallelism
     # (a cp_kind asked for is kept; the default, allgather, is searched beside ulysses and hybrid)
     kinds = (p.cp_kind,) if p.cp_kind != CP_KINDS[0] else CP_KINDS
-    for layout in layouts(world, args, p.cp if p.cp > 1 else 0, p.ep if p.ep > 1 else 0, kinds):
+    for layout in layouts(world, args, fixed_degrees(base, world), kinds):
         for micro_batch in micro_batches(base, layout):
             for ac in AC_MODES:
                 try:
