@@ -119,6 +119,12 @@ def one_line(box: str, cls, prog: str) -> str:
         close = difflib.get_close_matches(f"--{name}", flags(cls), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         return f"{name}: unknown option --{name}{hint} ({prog} --help lists every option)"
+    choice = re.match(r"invalid choice '(.*)' for argument '--([\w.-]+)'\. Expected one of \((.*)\)\.?$", text)
+    if choice:  # one line with the closest allowed names, not a list of thirty
+        value, name, allowed = choice.group(1), choice.group(2), re.findall(r"'([^']*)'", choice.group(3))
+        close = difflib.get_close_matches(value, allowed, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(close)}?" if close else f"; allowed: {', '.join(allowed)}"
+        return f"{name}: {value!r} is not one of its {len(allowed)} choices{hint} ({prog} --help lists them)"
     option = re.search(r"--([\w.-]+)", text)
     return f"{option.group(1) if option else 'arguments'}: {text}"
 

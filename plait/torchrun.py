@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException  # noq
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import main  # noqa: E402
 
-from plait.cli import die_with_parent  # noqa: E402
+from plait.launch import die_with_parent  # noqa: E402
 
 raise_signal_exception = elastic._terminate_process_handler
 stopping: list[int] = []

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.cli import descendants  # noqa: F401 (for the tests: torchrun workers are grandchildren)
+from plait.launch import descendants  # noqa: F401 (for the tests: torchrun workers are grandchildren)
 
 ROOT = Path(__file__).resolve().parents[1]
 

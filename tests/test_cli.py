@@ -132,3 +132,20 @@ def test_a_refusal_from_the_ranks_is_their_line_without_torchrun_s_traceback(tmp
         f"plait: error: data.val_path: {val} has 0 sequences of training.seq_len=64, fewer than training.eval_steps x "
         "global_batch_size = 4 x 4 = 16: not even one global batch: more validation text, or a smaller "
         "training.global_batch_size or seq_len"}
+
+
+def test_a_mistyped_command_or_choice_is_one_line_with_the_closest_names(capsys):
+    """issue 62: `plait trian` printed the usage without an error line; a flavor not among the 31
+    listed all 31 instead of the names it is close to."""
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "plait: error: 'trian' is not a command; did you mean train? (the commands are below)"
+    assert err[1].startswith("usage: plait {train,")
+    assert main(["train", "--model.flavor", "llama3_7b"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "plait: error: model.flavor: 'llama3_7b' is not one of its 31 choices; did you mean llama3_70b or llama3_8b or "
+        "llama3_1b? (plait train --help lists them)"]
+    assert main(["train", "--training.float8", "xx"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "plait: error: training.float8: 'xx' is not one of its 5 choices; allowed: none, tensorwise, rowwise, mxfp8, "
+        "mxfp8_wgrad_hp (plait train --help lists them)"]

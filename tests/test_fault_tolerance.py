@@ -22,7 +22,8 @@ import torch
 
 from conftest import ROOT, STEPS, TINY, layout_run, losses, max_abs_diff
 from plait.checkpoint.checkpointer import load_full_state_dict
-from plait.cli import descendants, main
+from plait.cli import main
+from plait.launch import descendants
 from plait.models.flavors import model_args
 from plait.proof.replica_soak import rows
 from plait.proof.soak import workers

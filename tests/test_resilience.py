@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conftest import ROOT, TINY, descendants, losses, run_plait
-from plait.cli import alive
+from plait.launch import alive
 
 pytestmark = pytest.mark.slow
 STEPS = ["--training.steps", "12"]
@@ -130,7 +130,7 @@ def test_a_signal_on_the_last_step_exits_143_and_is_never_restarted(tmp_path):
 
 def test_the_launchers_exit_code_is_what_one_process_would_return():
     """(torchrun's code, the signal the launcher got, what the last attempt's workers reported)."""
-    from plait.cli import exit_code
+    from plait.launch import exit_code
 
     term = 128 + signal.SIGTERM
     assert exit_code(1, 0, [1, 0], 2) == 1  # no signal: torchrun's verdict on its workers

@@ -44,7 +44,7 @@ def test_each_schedule_is_its_formula():
         schedule(*warm, "--training.lr_schedule", "wsd", "--training.decay_fraction", "0")
     with pytest.raises(ConfigError, match=r"training.min_lr_ratio: must be in \[0, 1\], got 1.5"):
         schedule("--training.min_lr_ratio", "1.5")
-    with pytest.raises(ConfigError, match="training.decay_shape: invalid choice"):
+    with pytest.raises(ConfigError, match="training.decay_shape: 'step' is not one of its 3 choices"):
         schedule("--training.decay_shape", "step")
 
 

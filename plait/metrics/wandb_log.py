@@ -84,7 +84,7 @@ class WandbRun:
         self.run.finish(exit_code=0 if error is None else getattr(error, "exit_code", 1))
         # finish() can return before W&B's service process has written the run (its last records
         # were seen missing); teardown waits for it. W&B would do so at exit, but a training
-        # process ends by os._exit (plait.cli.end_worker), which skips exit hooks.
+        # process ends by os._exit (plait.launch.end_worker), which skips exit hooks.
         import wandb
 
         wandb.teardown()

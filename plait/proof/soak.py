@@ -46,7 +46,7 @@ def train(extra: list[str]) -> subprocess.Popen:
 def workers(pid: int, *parts: str) -> list[int]:
     """The ranks (RANK in their environment) below `pid` whose command line and environment, each
     NUL-separated and NUL-led, hold every one of `parts` (say "\0RANK=1\0")."""
-    from plait.cli import descendants
+    from plait.launch import descendants
 
     return [p for p in descendants(pid) if "\0RANK=" in (text := _read(p, "cmdline") + _read(p, "environ"))
             and all(part in text for part in parts)]
