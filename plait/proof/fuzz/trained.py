@@ -33,15 +33,23 @@ SCORE_BOUND = 1e-7
 LAYOUT = ("--parallelism.", "--nproc")  # (dropped for the reference; the rest of the job is kept)
 
 
-def reference_argv(argv: list[str]) -> list[str]:
-    """`argv` without its parallelism options (each a flag and the words up to the next flag)."""
+def reference_argv(world: int, argv: list[str]) -> list[str]:
+    """`argv` without its parallelism options (each a flag and the words up to the next flag),
+    forwarding the sequences each forward of the layout holds (a rank's micro-batch, a pipeline's
+    share of it): a mixture of experts' aux loss is a function of the tokens of one forward."""
+    from plait.arguments import parse_args
+    from plait.checks import check_options
+    from plait.parallel.stages import microbatches
+
+    cfg = check_options(parse_args(argv), world)
+    per_forward = cfg.training.micro_batch_size // (microbatches(cfg) if cfg.parallelism.pp > 1 else 1)
     kept, dropping = [], False
     for word in argv:
         if word.startswith("--"):
             dropping = word.startswith(LAYOUT)
         if not dropping:
             kept.append(word)
-    return kept
+    return [*kept, "--training.micro_batch_size", str(per_forward)]
 
 
 def files(argv: list[str]) -> list[str]:
@@ -129,7 +137,7 @@ def scored_as_plait_eval(argv: list[str], rows: list[dict], folder: Path) -> Non
 def train_against_reference(world: int, argv: list[str]) -> str:
     argv = files(argv)
     root = scratch()
-    ref_argv = reference_argv(argv)
+    ref_argv = reference_argv(world, argv)
     from plait.proof.fuzz.options import refusal
 
     if refusal(1, ref_argv) is not None:
@@ -138,7 +146,7 @@ def train_against_reference(world: int, argv: list[str]) -> str:
     shown = f"plait train --nproc {world} {' '.join(argv)}"
     if ref_rows:
         scored_as_plait_eval(ref_argv, ref_rows, ref_folder)
-    if world == 1 and ref_argv == argv:
+    if world == 1 and not any(word.startswith(LAYOUT) for word in argv):
         return "stopped in one line" if ref_stopped else "trained (is its own reference)"
     folder = Path(tempfile.mkdtemp(dir=root))
     try:
