@@ -56,6 +56,21 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     return cfg
 
 
+def check_model(cfg: JobConfig) -> None:
+    """The options against the job's model (TP's and CP's head splits, experts for ep), from
+    options and files alone: what the launcher checks before it starts a rank, so a job that every
+    rank would refuse is one line instead of a rank per line and torchrun's report."""
+    from plait.job_model import model_shape
+    from plait.parallel.context_parallel import check_heads
+    from plait.parallel.expert_parallel import check_experts
+    from plait.parallel.tensor_parallel import check_divisibility
+
+    args = model_shape(cfg)
+    check_divisibility(args, cfg)
+    check_heads(args, cfg)
+    check_experts(args, cfg)
+
+
 def validate(cfg: JobConfig, world: int) -> JobConfig:
     """Check what the options alone can tell, without a process group; fill in derived defaults.
     (`check_options` runs this, then the checks that need a module's knowledge.)

@@ -54,15 +54,15 @@ def _train(argv: list[str]) -> int:
         from plait.parallel.replica_groups import lighthouse
 
         if not lighthouse(cfg):  # every group here, meeting at a lighthouse of their own
-            from plait.checks import check_options
+            from plait.checks import check_model, check_options
             from plait.lighthouse import launch_groups
 
-            check_options(cfg, cfg.nproc)
+            check_model(check_options(cfg, cfg.nproc))
             return launch_groups(argv, cfg)
     if (cfg.nproc > 1 or cfg.max_restarts) and "RANK" not in os.environ:
-        from plait.checks import check_options
+        from plait.checks import check_model, check_options
 
-        check_options(cfg, cfg.nproc)  # once here, so a mistake prints one line instead of one per rank
+        check_model(check_options(cfg, cfg.nproc))  # once here: a mistake is one line, not one per rank
         warn_of_oversubscription(cfg)
         return launch_local(argv, cfg.nproc, cfg.max_restarts)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:
@@ -75,7 +75,8 @@ def _train(argv: list[str]) -> int:
         run(cfg)
         code = 0
     except (TrainingError, SaveFailed) as e:
-        print(f"plait: error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"plait: error: {e}\n")  # (one write: the ranks' lines do not interleave)
+        sys.stderr.flush()
         code = 1
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:
-        print(f"plait: error: {one_line(str(e))}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"plait: error: {one_line(str(e))}\n")  # (one write: the ranks' lines do not interleave)
+        sys.stderr.flush()
         return 2
 
 

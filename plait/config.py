@@ -30,14 +30,13 @@ class ConfigError(ValueError):
 @dataclass
 class Model:
     flavor: ModelFlavor = "auto"
-    """model size: debug (tiny), small (~90M, CPU benchmarks), a real Llama 3 shape, a relative's small
-    size (qwen3_0_6b, qwen2_5_0_5b, mistral_7b, olmo2_1b, smollm3_3b) or debug's shape with a relative's
-    switches (debug_qwen3, debug_qwen2, debug_olmo2; debug_sliding: windows and sinks); mixtures of experts:
-    debug_moe (Qwen3-MoE's switches), debug_moe_sigmoid (DeepSeek-V3's router), small_moe (and
-    small_moe_dense, its dense twin of equal active parameters), qwen3_30b_a3b, qwen3_235b_a22b, gpt-oss
-    (debug_gpt_oss, gpt_oss_20b, gpt_oss_120b), DeepSeek-V3's latent attention (debug_mla, small_mla and
-    small_mla_gqa, its twin with grouped-query attention, deepseek_v3_16b, deepseek_v3_671b, kimi_k2_1t); auto: the config.json of a Hugging Face folder given as
+    """model size and family: debug (tiny), small (~90M, CPU benchmarks), the real shapes of Llama 3 and its
+    relatives, of mixtures of experts (Qwen3-MoE, gpt-oss, DeepSeek-V3, Kimi K2), and debug_* twins with each
+    family's switches (docs/families.md); auto: the config.json of a Hugging Face folder given as
     --checkpoint.load, else debug"""
+    shrink: bool = False
+    """cut the flavor to two blocks of width 64 (its family's structure kept: head grouping, norms, windows,
+    fewer experts, latent attention), all other options as given: a recipe's real job tried on a CPU"""
     n_layers: int = 0
     """transformer blocks; 0 = the flavor's (e.g. more blocks for more pipeline stages)"""
     max_seq_len: int = 0

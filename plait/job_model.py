@@ -13,10 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from plait.checkpoint.manifest import read_manifest, manifest_model
-from plait.config import ConfigError, JobConfig, start_folder
+from plait.config import ConfigError, JobConfig, job_tokenizer, start_folder
 from plait.hf.config import describe_difference, is_hf_folder, model_args
 from plait.models.flavors import ModelArgs
 from plait.models.flavors import model_args as flavor_args
+from plait.models.flavors import shrunk
 
 
 def folder_model(folder: Path, option: str) -> ModelArgs:
@@ -33,6 +34,8 @@ def folder_model(folder: Path, option: str) -> ModelArgs:
 def flavor_model(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
     """model.flavor's shape, with the model options that change it."""
     args = flavor_args(cfg.model.flavor.replace("auto", "debug"), tokenizer_vocab, cfg.model.n_layers)
+    if cfg.model.shrink:
+        args = shrunk(args, tokenizer_vocab)
     args = replace(args, tie_embeddings=args.tie_embeddings or cfg.model.tie_embeddings,
                    max_seq_len=cfg.model.max_seq_len or args.max_seq_len)
     if cfg.model.mtp_layers >= 0:
@@ -52,6 +55,9 @@ def job_model(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
     if folder is None:
         return flavor_model(cfg, tokenizer_vocab)
     args = folder_model(folder, "checkpoint.load")
+    if cfg.model.shrink:
+        raise ConfigError(f"model.shrink: the model is {folder}'s, whose weights have its shapes; shrink cuts a "
+                          "model.flavor (leave checkpoint.load out, or shrink out)")
     held = "its config.json" if is_hf_folder(folder) else "its manifest"
     m = cfg.model
     if m.tie_embeddings and not args.tie_embeddings:
@@ -82,3 +88,16 @@ def job_model(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
                           f"of {folder}: token ids past {args.vocab_size - 1} would have no embedding; use the "
                           "folder's own tokenizer")
     return args
+
+
+def model_shape(cfg: JobConfig) -> ModelArgs:
+    """The job's model from options and files alone: what checkpoint.load's folder holds, or the
+    flavor with the tokenizer's vocabulary (nothing is tokenized: plan needs shapes only)."""
+    from plait.data import vocab_size
+    from plait.models.flavors import FLAVORS
+
+    vocab = 0  # the tokenizer's, as training settles it (a Hugging Face folder's must fit its embeddings)
+    if start_folder(cfg) is not None or cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0 \
+            or cfg.model.shrink:
+        vocab = vocab_size(replace(cfg.data, tokenizer=job_tokenizer(cfg)))
+    return job_model(cfg, vocab)

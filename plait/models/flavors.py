@@ -265,3 +265,21 @@ def model_args(flavor: str, tokenizer_vocab: int, n_layers: int = 0) -> ModelArg
         raise ValueError(f"model.flavor: {flavor} has {args.vocab_size} embeddings but the tokenizer has "
                          f"{tokenizer_vocab} tokens; use a smaller tokenizer or the debug/small flavor")
     return args
+
+
+def shrunk(args: ModelArgs, vocab_size: int) -> ModelArgs:
+    """`args` cut to two blocks of width 64 (model.shrink): what the family's code runs through is
+    kept (queries per key head, norms, biases, RoPE and its scaling, windows and which blocks are
+    global, dense first blocks, routing, shared experts, latent attention, MTP), at sizes a CPU
+    trains in seconds; positions stay the job's, the vocabulary is the tokenizer's (`vocab_size`:
+    a real tokenizer's is the flavor's own; a 128K-row output of 8K tokens is 4 GiB of fp32 logits)."""
+    heads, experts = 4, min(args.n_experts, 8)
+    groups = min(args.n_groups, 2)
+    return replace(
+        args, vocab_size=vocab_size, dim=64, n_layers=2, n_heads=heads, n_kv_heads=max(1, heads * args.n_kv_heads // args.n_heads),
+        head_dim=16, ffn_hidden=128, nope_layers=tuple(i for i in args.nope_layers if i < 2),
+        full_layers=tuple(i for i in args.full_layers if i < 2), dense_layers=tuple(i for i in args.dense_layers if i < 2),
+        n_experts=experts, top_k=min(args.top_k, 2 if groups else experts), moe_hidden=32 if args.moe_hidden else 0,
+        n_groups=groups, topk_groups=min(args.topk_groups, groups),
+        **({"q_lora_rank": 32 if args.q_lora_rank else 0, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16} if args.kv_lora_rank else {}))

@@ -27,16 +27,17 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
 from plait.arguments import parse, parse_args
 from plait.checks import check_sizes
-from plait.config import ConfigError, JobConfig, job_tokenizer, start_folder
+from plait.config import ConfigError, JobConfig
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer, num_params
 from plait.hyperparameters import debug_defaults_warning, left_at_debug_defaults
+from plait.job_model import model_shape
 from plait.plan.calibration import DATA_SHEETS, Calibration, load
 from plait.plan.search import AC_MODES, GIB, Row, predict
 
@@ -78,19 +79,6 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(argv[i])
             i += 1
     return own, rest
-
-
-def model_shape(cfg: JobConfig) -> ModelArgs:
-    """The job's model from options and files alone: what checkpoint.load's folder holds, or the
-    flavor with the tokenizer's vocabulary (nothing is tokenized: plan needs shapes only)."""
-    from plait.data import vocab_size
-    from plait.job_model import job_model
-    from plait.models.flavors import FLAVORS
-
-    vocab = 0  # the tokenizer's, as training settles it (a Hugging Face folder's must fit its embeddings)
-    if start_folder(cfg) is not None or cfg.model.flavor == "auto" or FLAVORS[cfg.model.flavor].vocab_size == 0:
-        vocab = vocab_size(replace(cfg.data, tokenizer=job_tokenizer(cfg)))
-    return job_model(cfg, vocab)
 
 
 def float8_timing(recipe: str, cal: Calibration) -> str:

@@ -111,16 +111,17 @@ def jobs(draw, legal: bool = False) -> tuple[int, list[str]]:
 
 
 def refusal(world: int, argv: list[str]) -> str | None:
-    """The start-up checks' one line where they refuse the job; a Counterexample where they fail
-    in any other way."""
+    """The start-up checks' one line (the options, then the model they make: what `plait train
+    --nproc N` checks before it starts a rank) where they refuse the job; a Counterexample where
+    they fail in any other way."""
     from plait.arguments import parse_args
-    from plait.checks import check_options
+    from plait.checks import check_model, check_options
     from plait.config import ConfigError
 
     command = f"plait train --nproc {world} {' '.join(argv)}"
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            check_options(parse_args(argv), world)
+            check_model(check_options(parse_args(argv), world))  # (what the launcher checks)
     except ConfigError as e:
         if "\n" in str(e).strip():
             raise Counterexample(f"refused in more than one line: {str(e)!r}: {command}") from None
