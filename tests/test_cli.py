@@ -134,6 +134,19 @@ def test_a_refusal_from_the_ranks_is_their_line_without_torchrun_s_traceback(tmp
         "training.global_batch_size or seq_len"}
 
 
+def test_what_the_model_refuses_is_one_line_from_the_launcher(tmp_path):
+    """ep on a dense model: the launcher checks the options against the job's model before it
+    starts a rank (found by the options generator: every rank refused it, after start-up)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "plait", "train", "--nproc", "2", *TINY, "--parallelism.ep", "2"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "plait: error: parallelism.ep: 2 needs a mixture-of-experts model (e.g. --model.flavor debug_moe); this model "
+        "is dense"], proc.stderr[-3000:]
+
+
 def test_a_mistyped_command_or_choice_is_one_line_with_the_closest_names(capsys):
     """issue 62: `plait trian` printed the usage without an error line; a flavor not among the 31
     listed all 31 instead of the names it is close to."""

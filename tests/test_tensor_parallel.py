@@ -53,5 +53,3 @@ def test_tp_that_does_not_divide_the_heads_is_refused(tmp_path):
     rows, proc = run_plait(tmp_path, "--parallelism.tp", "3", nproc=3, check=False)
     assert proc.returncode != 0 and rows == []
     assert "plait: error: parallelism.tp: 3 does not divide the model n_heads 4" in proc.stderr
-    # once, by the launcher, before any rank starts (the model's checks run there too: plait/checks.py)
-    assert proc.stderr.count("plait: error:") == 1 and "torchrun" not in proc.stderr, proc.stderr[-3000:]
