@@ -16,11 +16,12 @@ from plait.arguments import parse, parse_args
 from plait.config import ConfigError, JobConfig
 from plait.launch import EXIT_CODES, die_with_parent, end_worker, launch_local
 
-USAGE = """usage: plait {train,tokenize,seed-checkpoint,export,generate,eval,bench,bench-context,compare,trace,plan,plot,doctor,
+USAGE = """usage: plait {train,recipes,tokenize,seed-checkpoint,export,generate,eval,bench,bench-context,compare,trace,plan,plot,doctor,
              lighthouse} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
+  recipes          the shipped configs, for real runs and tries: plait train --config NAME
   tokenize         tokenize a corpus once into a folder to train from: plait tokenize --data.path SRC --out DIR
   seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
@@ -91,6 +92,22 @@ def warn_of_oversubscription(cfg) -> None:
 
     if warning := local_ranks_warning(cfg.nproc, cfg.training.device):
         print(f"plait: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def recipes(argv: list[str]) -> int:
+    """The named configs (plait/configs), each with the first line of its header comment (the
+    rest of the header gives the sources of its values, its hardware and plan's layout)."""
+    from plait.arguments import CONFIG_DIR
+
+    if argv in (["-h"], ["--help"]):
+        print("usage: plait recipes [-h]\n\nThe named configs, each with its header's first line.")
+        return 0
+    if argv:
+        raise ConfigError(f"recipes: takes no options, got {' '.join(argv)}")
+    print("plait train --config NAME (docs/recipes.md; each file's header: sources, hardware, layout):")
+    for path in sorted(CONFIG_DIR.glob("*.toml")):
+        print(f"  {path.stem:16} {path.read_text().splitlines()[0].lstrip('# ')}")
+    return 0
 
 
 def tokenize(argv: list[str]) -> int:
@@ -218,7 +235,7 @@ def evaluate(argv: list[str]) -> int:
     return eval_main(argv)
 
 
-COMMANDS = {"train": train, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
+COMMANDS = {"train": train, "recipes": recipes, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
             "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context, "compare": compare,
             "trace": trace, "plan": plan, "plot": plot, "doctor": doctor,
             "lighthouse": lighthouse}

@@ -336,7 +336,7 @@ class Profiling:
 @dataclass
 class JobConfig:
     config: str = ""
-    """a named config (see plait/configs) or a TOML file; its values are the defaults, flags win"""
+    """a named config (`plait recipes` lists them) or a TOML file; its values are the defaults, flags win"""
     nproc: int = 1
     """local convenience: launch this many processes through torchrun"""
     max_restarts: int = 0
