@@ -9,8 +9,6 @@ options dropped); never another exception, never a traceback, never a hang.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import types
 import typing
 from dataclasses import fields, is_dataclass
@@ -18,7 +16,8 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-from plait.proof.fuzz import Counterexample, Generator
+from plait.proof.fuzz import Generator
+from plait.proof.fuzz.trained import TASKS, VALIDATION, refusal, train_against_reference
 
 BASE = ["--training.steps", "2", "--training.seq_len", "32", "--training.global_batch_size", "4"]
 # Options that start something other than a training job (a lighthouse, a launch) or read the
@@ -93,7 +92,6 @@ def legal_values(name: str, hint) -> st.SearchStrategy | None:
 HARNESS = {"training.threads", "metrics.jsonl", "checkpoint.folder", "checkpoint.load", "config"}
 # A job's text options that name files: the generated ones (a validation set, a task whose
 # contexts hold the end-of-text token's text), placeholders until the case runs.
-VALIDATION, TASKS = "{validation}", "{tasks}"
 FILES = {"data.val_path": [VALIDATION], "eval.loss_sets": [f"prose:{VALIDATION}"], "eval.tasks": ["sample", TASKS]}
 
 
@@ -110,29 +108,6 @@ def jobs(draw, legal: bool = False) -> tuple[int, list[str]]:
     return draw(st.sampled_from([1, 2, 4])), argv
 
 
-def refusal(world: int, argv: list[str]) -> str | None:
-    """The start-up checks' one line (the options, then the model they make: what `plait train
-    --nproc N` checks before it starts a rank) where they refuse the job; a Counterexample where
-    they fail in any other way."""
-    from plait.arguments import parse_args
-    from plait.checks import check_model, check_options
-    from plait.config import ConfigError
-
-    command = f"plait train --nproc {world} {' '.join(argv)}"
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            check_model(check_options(parse_args(argv), world))  # (what the launcher checks)
-    except ConfigError as e:
-        if "\n" in str(e).strip():
-            raise Counterexample(f"refused in more than one line: {str(e)!r}: {command}") from None
-        return str(e)
-    except SystemExit as e:  # (tyro's --help, never asked here)
-        raise Counterexample(f"exit {e.code} instead of a refusal: {command}") from None
-    except Exception as e:  # noqa: BLE001 (a traceback is the failure being looked for)
-        raise Counterexample(f"{type(e).__name__}: {e}: {command}") from e
-    return None
-
-
 def check_startup(job: tuple[int, list[str]]) -> str:
     """The start-up half alone (cheap: no rank starts)."""
     return "refused" if refusal(*job) is not None else "accepted"
@@ -140,8 +115,6 @@ def check_startup(job: tuple[int, list[str]]) -> str:
 
 def check(job: tuple[int, list[str]]) -> str:
     """The whole property: refused in one line, or two steps at the one-device reference's loss."""
-    from plait.proof.fuzz.trained import train_against_reference
-
     if refusal(*job) is not None:
         return "refused"
     return train_against_reference(*job)

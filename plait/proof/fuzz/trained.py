@@ -8,6 +8,8 @@ in one line; a traceback or a run past TIMEOUT is a counter-example.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import sys
@@ -31,6 +33,9 @@ COMPARED = ("loss", "val_loss", "grad_norm", "aux_loss")
 # A context scored under the training's document mask instead differed by 2e-4 (issue 60).
 SCORE_BOUND = 1e-7
 LAYOUT = ("--parallelism.", "--nproc")  # (dropped for the reference; the rest of the job is kept)
+# Placeholders of the generated files in a drawn job (a validation set, a task whose contexts hold
+# the end-of-text token's text), replaced by their paths when the case runs.
+VALIDATION, TASKS = "{validation}", "{tasks}"
 
 
 def reference_argv(world: int, argv: list[str]) -> list[str]:
@@ -54,8 +59,6 @@ def reference_argv(world: int, argv: list[str]) -> list[str]:
 
 def files(argv: list[str]) -> list[str]:
     """The generated files in place of their placeholders."""
-    from plait.proof.fuzz.options import TASKS, VALIDATION
-
     return [w.replace(VALIDATION, validation_text()).replace(TASKS, task_file()) for w in argv]
 
 
@@ -138,8 +141,6 @@ def train_against_reference(world: int, argv: list[str]) -> str:
     argv = files(argv)
     root = scratch()
     ref_argv = reference_argv(world, argv)
-    from plait.proof.fuzz.options import refusal
-
     if refusal(1, ref_argv) is not None:
         return "no one-device reference (refused there)"
     ref_rows, ref_stopped, ref_folder = reference(tuple(ref_argv), str(root))
@@ -164,6 +165,29 @@ def train_against_reference(world: int, argv: list[str]) -> str:
                 raise Counterexample(f"step {ref['step']} {name} {row[name]!r} vs {ref[name]!r} on one device "
                                      f"(bound {bound} relative)\n{shown}")
     return f"trained at the reference's loss ({precision(argv)})"
+
+
+def refusal(world: int, argv: list[str]) -> str | None:
+    """The start-up checks' one line (the options, then the model they make: what `plait train
+    --nproc N` checks before it starts a rank) where they refuse the job; a Counterexample where
+    they fail in any other way."""
+    from plait.arguments import parse_args
+    from plait.checks import check_model, check_options
+    from plait.config import ConfigError
+
+    command = f"plait train --nproc {world} {' '.join(argv)}"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            check_model(check_options(parse_args(argv), world))  # (what the launcher checks)
+    except ConfigError as e:
+        if "\n" in str(e).strip():
+            raise Counterexample(f"refused in more than one line: {str(e)!r}: {command}") from None
+        return str(e)
+    except SystemExit as e:  # (tyro's --help, never asked here)
+        raise Counterexample(f"exit {e.code} instead of a refusal: {command}") from None
+    except Exception as e:  # noqa: BLE001 (a traceback is the failure being looked for)
+        raise Counterexample(f"{type(e).__name__}: {e}: {command}") from e
+    return None
 
 
 @cache
