@@ -28,7 +28,7 @@ from plait.checks import check_options
 from plait.config import (ConfigError, JobConfig, dp_degree, grad_accumulation_steps, replica_groups, start_folder,
                           world_size)
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
-from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, open_loss_sets
+from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, eval_steps_held, open_loss_sets
 from plait.expert_load import ExpertLoad, FurtherTokens
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.job_model import job_model
@@ -227,8 +227,9 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     group = cfg.fault_tolerance.replica_id if cfg.fault_tolerance.enable else 0
     loader = BatchLoader(corpus.sources, corpus.weights, *shape[:3], group * dp_mesh.size() + dp_mesh.get_local_rank(),
                          replica_groups(cfg) * dp_mesh.size(), t.seed)
-    evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, t.eval_steps) if t.eval_interval else None,
-                            {name: eval_batches(source, *shape, t.eval_steps) for name, source in loss_sets.items()}, suite)
+    evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, eval_steps_held(corpus.val, t)) if t.eval_interval
+                            else None, {name: eval_batches(source, *shape, eval_steps_held(source, t))
+                                        for name, source in loss_sets.items()}, suite)
     groups = Groups(dp_mesh.get_group(), loss_mesh.get_group(), mesh["cp"].get_group() if cp > 1 else None)
 
     precision = resolve(cfg)

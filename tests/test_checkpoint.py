@@ -190,7 +190,9 @@ def test_two_jobs_cannot_share_a_checkpoint_folder(tmp_path):
     corpus = tmp_path / "other.txt"
     corpus.write_text("another corpus, another job. " * 3000)
     for other, named in [(["--training.seed", "1"], "training.seed 0 vs 1"),
-                         (["--data.path", str(corpus)], "tokens_sha256")]:
+                         (["--data.path", str(corpus)], "tokens_sha256"),
+                         # another model: each field that differs, with both values (issue 62)
+                         (["--model.n_layers", "3"], "(model n_layers 2 vs 3 in this run)")]:
         rows, proc = run_plait(tmp_path, "--training.steps", "6", *ckpt, *other, check=False)
         message = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2 and rows == [] and "belongs to another job" in message and named in message

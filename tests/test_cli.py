@@ -129,8 +129,8 @@ def test_a_refusal_from_the_ranks_is_their_line_without_torchrun_s_traceback(tmp
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     assert {line for line in proc.stderr.splitlines() if line.startswith("plait:")} == {
-        f"plait: error: data.val_path: {val} has 0 sequences of training.seq_len=64, fewer than training.eval_steps x "
-        "global_batch_size = 4 x 4 = 16: not even one global batch: more validation text, or a smaller "
+        f"plait: error: data.val_path: {val} has 0 sequences of training.seq_len=64, not even one global batch of 4: "
+        "more validation text, or a smaller "
         "training.global_batch_size or seq_len"}
 
 

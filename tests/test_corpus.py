@@ -207,7 +207,7 @@ def test_validation_and_mix_options_fail_in_one_line(corpus, tmp_path, capsys):
     cases = [
         (["--training.eval_interval", "2"], "training.eval_interval: set data.val_path too"),
         (["--training.eval_interval", "2", "--data.val_path", str(tmp_path / "val.txt")],
-         "data.val_path: .* has 0 sequences of training.seq_len=128, fewer than training.eval_steps"),
+         "data.val_path: .* has 0 sequences of training.seq_len=128, not even one global batch"),
         (["--training.eval_steps", "0"], "training.eval_interval must be >= 0 and eval_steps >= 1"),
         (["--data.mix", f"{corpus / 'w1'}:1", "--data.path", str(corpus / "w1")], "data.mix: give data.path or data.mix"),
         (["--data.mix", f"{corpus / 'c.jsonl'}:1"], "data.mix: raw-text sources need data.tokenizer"),

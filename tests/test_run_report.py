@@ -41,22 +41,22 @@ def test_validation_by_default_and_a_resumed_runs_summary_and_tensorboard(tmp_pa
     assert (tmp_path / "hf" / "config.json").exists()
 
 
-def test_a_small_validation_set_names_the_eval_steps_that_fit(tmp_path, capsys):
+def test_a_small_validation_set_is_evaluated_on_the_batches_it_holds(tmp_path, capsys):
+    """eval_steps beyond the set: each evaluation measures the global batches it holds, as one
+    line says (issue 62: it was refused, and the fix repeated on every command); a set of fewer
+    sequences than one global batch is one line."""
     from plait.cli import main
 
     (tmp_path / "val.txt").write_text(validation_text())
-    common = ["train", "--training.seq_len", "64", "--training.global_batch_size", "4", "--data.vocab_size", "512",
-              "--data.val_path", str(tmp_path / "val.txt"), "--training.eval_interval", "1"]
-    assert main([*common, "--training.eval_steps", "1000"]) == 2
-    err = capsys.readouterr().err
-    found = re.fullmatch(r"plait: error: data\.val_path: .* has (\d+) sequences of training\.seq_len=64, fewer than "
-                         r"training\.eval_steps x global_batch_size = 1000 x 4 = 4000: --training\.eval_steps (\d+) "
-                         r"fits\n", err)
-    assert found, err
-    sequences, fits = int(found[1]), int(found[2])
-    assert fits * 4 <= sequences < (fits + 1) * 4
-    # A set with fewer sequences than one global batch: no eval_steps fits, and the line says what does.
+    val = ["--data.val_path", str(tmp_path / "val.txt"), "--training.eval_interval", "1"]
+    rows, proc = run_plait(tmp_path, *val, "--training.steps", "1", "--training.eval_steps", "1000")
+    found = re.search(r"plait: data\.val_path: .* holds (\d+) of training\.eval_steps 1000 global batches \((\d+) "
+                      r"sequences of 64 tokens\): each evaluation measures those (\d+)\n", proc.stdout)
+    assert found and found[1] == found[3], proc.stdout[-3000:]
+    held, sequences = int(found[1]), int(found[2])
+    assert held * 4 <= sequences < (held + 1) * 4 and "val_loss" in rows[-1]
+    common = ["train", "--training.seq_len", "64", "--data.vocab_size", "512", *val]
     assert main([*common, "--training.global_batch_size", str(4 * (sequences // 4 + 1))]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not even one global batch: more validation text, or a smaller " \
-        "training.global_batch_size or seq_len" in err, err
+    assert err.count("\n") == 1 and "not even one global batch of" in err and "more validation text, or a " \
+        "smaller training.global_batch_size or seq_len" in err, err

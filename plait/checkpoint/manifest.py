@@ -213,8 +213,10 @@ def check_owner(root: str, identity: dict) -> None:
     if owner is not None:
         owner = {**owner, "model_args": saved_model(owner, Path(root) / OWNER, "checkpoint.folder")}
     if owner is not None and owner != identity:
-        differ = [f"{k} {owner.get(k)} vs {v}" if k != "model_args" else "model_args" for k, v in identity.items()
-                  if owner.get(k) != v]
+        differ = [f"{k} {owner.get(k)} vs {v}" for k, v in identity.items() if k != "model_args" and owner.get(k) != v]
+        theirs, ours = owner.get("model_args") or {}, identity["model_args"]  # the model: each field that differs
+        differ += [f"model {name} {theirs.get(name)} vs {ours.get(name)}" for name in sorted({*theirs, *ours})
+                   if theirs.get(name) != ours.get(name)]
         raise ConfigError(f"checkpoint.folder: {root} belongs to another job ({', '.join(differ)} in this run); give "
                           "this job a folder of its own, or start from one of its checkpoints with --checkpoint.load")
 

@@ -11,6 +11,7 @@ layout scores every request, and the same model gives the same scores in each.
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -54,16 +55,22 @@ def open_loss_sets(cfg: JobConfig, tokenizer: Tokenizer, hf_start: Path | None) 
     return sets
 
 
+def eval_steps_held(source, t) -> int:
+    """The global batches a validation source evaluates: training.eval_steps, or as many as it holds."""
+    return min(t.eval_steps, (len(source) - 1) // t.seq_len // t.global_batch_size)
+
+
 def check_holds_eval_steps(source, what: str, t) -> None:
-    """A validation source holds training.eval_steps global batches of sequences; else one line
-    naming the eval_steps that fit."""
-    if (sequences := (len(source) - 1) // t.seq_len) < t.eval_steps * t.global_batch_size:
-        fits = sequences // t.global_batch_size
-        raise ConfigError(f"{what} has {sequences} sequences of training.seq_len={t.seq_len}, fewer than "
-                          f"training.eval_steps x global_batch_size = {t.eval_steps} x {t.global_batch_size} = "
-                          f"{t.eval_steps * t.global_batch_size}: " + (f"--training.eval_steps {fits} fits" if fits else
-                          "not even one global batch: more validation text, or a smaller training.global_batch_size or "
-                          "seq_len"))
+    """A validation source holds one global batch at least (else one line); one that holds fewer
+    than training.eval_steps is evaluated on those it holds, as one line says (rank 0)."""
+    sequences = (len(source) - 1) // t.seq_len
+    if not (held := eval_steps_held(source, t)):
+        raise ConfigError(f"{what} has {sequences} sequences of training.seq_len={t.seq_len}, not even one global batch "
+                          f"of {t.global_batch_size}: more validation text, or a smaller training.global_batch_size or "
+                          "seq_len")
+    if held < t.eval_steps and os.environ.get("RANK", "0") == "0":
+        print(f"plait: {what} holds {held} of training.eval_steps {t.eval_steps} global batches ({sequences} sequences "
+              f"of {t.seq_len} tokens): each evaluation measures those {held}", flush=True)
 
 
 class TaskSuite:
