@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import json
 import os
 import re
 import tomllib
@@ -54,9 +55,14 @@ def toml_to_args(path: Path) -> list[str]:
         if section not in job_sections or not isinstance(values, dict):
             raise ConfigError(f"config {path}: unknown section [{section}]; allowed: {sorted(job_sections)}")
         keys = {f.name: f for f in dataclasses.fields(job_sections[section])}
+        hints = typing.get_type_hints(job_sections[section])
         for key, value in values.items():
             if key not in keys:
-                raise ConfigError(f"config {path}: unknown option {section}.{key}; allowed: {sorted(keys)}")
+                close = difflib.get_close_matches(key, keys, n=1)
+                hint = f"did you mean {section}.{close[0]}? " if close else ""
+                raise ConfigError(f"config {path}: unknown option {section}.{key}; {hint}allowed: {sorted(keys)}")
+            if (expected := toml_type_error(value, hints[key])) is not None:
+                raise ConfigError(f"config {path}: {section}.{key} = {json.dumps(value)}: expected {expected}")
             flag = f"--{section}.{key}"
             if isinstance(value, bool):
                 args.append(flag if value else f"--{section}.no_{key}")
@@ -65,6 +71,22 @@ def toml_to_args(path: Path) -> list[str]:
             else:
                 args += [flag, str(value)]
     return args
+
+def toml_type_error(value, hint) -> str | None:
+    """What `hint` wants, where the TOML value is not of it (the file and key name the mistake,
+    not the flag it becomes); None where it is."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return None if value in args else f"one of {', '.join(json.dumps(a) for a in args)}"
+    if origin in (tuple, list):
+        return None if isinstance(value, list) and all(toml_type_error(v, args[0]) is None for v in value) else \
+            f"a list of {toml_type_error(object(), args[0]).removeprefix('a ').removeprefix('an ')}s"
+    wanted = {bool: (bool, "true or false"), int: (int, "an integer"), float: ((int, float), "a number"),
+              str: (str, "a string")}
+    kinds, name = wanted.get(hint, (object, ""))
+    ok = isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))
+    return None if ok else name
+
 
 def flags(cls, prefix: str = "") -> list[str]:
     """Every `--section.key` a dataclass (and the dataclasses nested in it) accepts."""

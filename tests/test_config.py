@@ -156,11 +156,27 @@ def test_cli_parse_errors_are_one_line_naming_the_option(argv, line, capsys):
     assert capsys.readouterr().err.splitlines() == [f"plait: error: {line}"]
 
 
-def test_toml_type_error_is_one_line(tmp_path, capsys):
-    (tmp_path / "job.toml").write_text("[training]\nsteps = 'many'\n")
+@pytest.mark.parametrize("toml, expected", [
+    ("[training]\nsteps = 'many'", 'training.steps = "many": expected an integer'),
+    ("[training]\nlr = '1e-3'", 'training.lr = "1e-3": expected a number'),
+    ("[training]\nfloat8 = 'fp8'", 'training.float8 = "fp8": expected one of "none", "tensorwise", "rowwise", "mxfp8", '
+                                    '"mxfp8_wgrad_hp"'),
+    ("[optimizer]\nbetas = [0.9, 'x']", 'optimizer.betas = [0.9, "x"]: expected a list of numbers'),
+    ("[compile]\nenable = 1", "compile.enable = 1: expected true or false"),
+])
+def test_a_toml_value_of_the_wrong_type_names_the_file_the_key_and_what_it_expects(tmp_path, capsys, toml, expected):
+    """issue 62: the message named the command-line flag the value became, not the file's key."""
+    (tmp_path / "job.toml").write_text(toml + "\n")
     assert main(["train", "--config", str(tmp_path / "job.toml")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"plait: error: config {tmp_path / 'job.toml'}: {expected}"]
+
+
+def test_a_file_that_is_no_tokenizer_says_what_was_expected(tmp_path, capsys):
+    (tmp_path / "tokenizer.txt").write_text("one word per line\n")
+    assert main(["train", "--data.tokenizer", str(tmp_path / "tokenizer.txt")]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "plait: error: training.steps: Error parsing --training.steps: invalid literal for int() with base 10: 'many'"]
+        f"plait: error: data.tokenizer: '{tmp_path / 'tokenizer.txt'}' is not a tokenizer.json (a Hugging Face "
+        "`tokenizers` file, as in a model's folder): expected value at line 1 column 1"]
 
 
 def test_cli_validation_error_is_one_line_before_launch(tmp_path):

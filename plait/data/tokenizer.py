@@ -34,7 +34,8 @@ def read_tokenizer(path: str | Path, option: str) -> Tokenizer:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # the Rust side raises a bare Exception, or panics (a BaseException) on some files
-        raise ConfigError(f"{option}: cannot load {str(path)!r}: {str(e)[:300]}") from None
+        raise ConfigError(f"{option}: {str(path)!r} is not a tokenizer.json (a Hugging Face `tokenizers` file, as in a "
+                          f"model's folder): {str(e)[:300]}") from None
 
 
 def load_tokenizer(path: str, option: str = "data.tokenizer") -> Tokenizer:
