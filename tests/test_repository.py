@@ -52,3 +52,17 @@ def test_every_link_of_the_readme_and_docs_leads_somewhere():
     """A page moved or renamed leaves no link behind it (README.md and docs/ link each other and the tests)."""
     broken = broken_links([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+def test_every_extra_the_docs_name_exists_and_the_tests_install_each_one():
+    """A `pip install -e ".[NAME]"` in README.md or docs/ names an extra of pyproject.toml (the
+    walk-through's `.[hf]` reload was a line no install made work), and `.[test]`, which CI
+    installs, holds every package of every extra: their code paths are the tests' too."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = {name for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+             for group in re.findall(r'pip install -e "\.\[([\w,]+)\]"', page.read_text()) for name in group.split(",")}
+    assert "hf" in named and named <= set(extras), named - set(extras)
+    assert {package for name, packages in extras.items() if name != "test" for package in packages} <= \
+        set(extras["test"]), "an extra's package missing from .[test]"
