@@ -1,4 +1,4 @@
-"""What a run from a Hugging Face folder trains with, said at start-up.
+"""What a run from a Hugging Face folder trains with, said at start-up (and on what data).
 
 plait's defaults are the debug job's (a 1.4M-parameter model on the bundled corpus: lr 2e-3, 10
 warmup steps, 60 steps of 16 sequences of 128 tokens): right for trying plait, rarely for a real
@@ -32,7 +32,10 @@ def hf_start_lines(cfg: JobConfig) -> list[str]:
     if hf_folder(cfg) is None:
         return []
     left = left_at_debug_defaults(cfg, DEBUG_CHOICES)
-    return [describe(cfg), *([debug_defaults_warning(left, cfg.checkpoint.load)] if left else [])]
+    bundled = [] if cfg.data.path or cfg.data.mix else [
+        f"plait: warning: no data.path: {cfg.checkpoint.load} trains on the bundled corpus (Python's documentation, "
+        "for trying plait), not on data of its own; give --data.path (a tokenized folder or text)"]
+    return [describe(cfg), *([debug_defaults_warning(left, cfg.checkpoint.load)] if left else []), *bundled]
 
 
 def left_at_debug_defaults(cfg: JobConfig, names: tuple[str, ...]) -> list[str]:

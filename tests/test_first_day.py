@@ -8,6 +8,7 @@ it holds."""
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -144,6 +145,12 @@ def test_a_run_from_a_hugging_face_folder_says_its_hyperparameters_and_the_debug
     [warning] = [line for line in lines if "the debug job's defaults" in line]
     named = [option for option in DEBUG_CHOICES if option in warning]
     assert warning.startswith("plait: warning:") and named == ["training.lr"], warning  # the others were given
+    # what was loaded, once: the folder, its family, its size and the tensors read (issue 62)
+    [loaded] = [line for line in lines if line.startswith("plait: loaded Qwen3-0.6B")]
+    assert re.fullmatch(r"plait: loaded Qwen3-0\.6B/?: qwen3, [\d.]+M parameters, \d+ tensors from 1 safetensors "
+                        r"file\(s\)", loaded), loaded
+    # the recipe gives its data: no warning of the bundled corpus
+    assert not [line for line in lines if "trains on the bundled corpus" in line]
 
 
 def test_a_checkpoint_folder_without_an_interval_saves_the_last_step(debug_job):
@@ -251,3 +258,17 @@ def test_a_job_from_a_continued_hugging_face_checkpoint_trains_that_model(recipe
     assert main(["train", "--checkpoint.load", str(root / "ckpt"), "--parallelism.pp", "2", "--nproc", "2"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("plait: error: parallelism.pp: the model ties its output layer") and "ckpt" in line, line
+
+
+def test_a_hugging_face_model_without_data_of_its_own_is_warned_of_the_bundled_corpus(recipe):
+    from plait.arguments import parse_args
+    from plait.hyperparameters import hf_start_lines
+
+    root, _ = recipe
+    folder = str(root / "Qwen3-0.6B")
+    lines = hf_start_lines(parse_args(["--checkpoint.load", folder]))
+    assert lines[-1] == (f"plait: warning: no data.path: {folder} trains on the bundled corpus (Python's "
+                         "documentation, for trying plait), not on data of its own; give --data.path (a tokenized "
+                         "folder or text)")
+    assert not any("bundled corpus (Python" in line
+                   for line in hf_start_lines(parse_args(["--checkpoint.load", folder, "--data.path", folder])))

@@ -40,7 +40,7 @@ from plait.config import ConfigError, JobConfig
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.tokenizer import TOKENIZER
 from plait.models.flavors import ModelArgs
-from plait.models.transformer import Transformer
+from plait.models.transformer import Transformer, num_params
 from plait.models.weights import fill_weights, init_weights
 from plait.optim.optimizers import group_options
 
@@ -136,6 +136,12 @@ class Checkpointer:
             if manifest is None:  # a Hugging Face folder
                 state = hf.HFWeights(folder, self.args, "checkpoint.load")
                 fill_weights(getattr(self.model, "module", self.model), lambda name, shape: state[name], state.buffers)
+                if dist.get_rank() == 0:  # what was read, said once: the folder, its family and its size
+                    with torch.device("meta"):
+                        size = num_params(Transformer(self.args))
+                    print(f"plait: loaded {folder}: {self.args.family}, {size / 1e6:,.1f}M parameters, "
+                          f"{len(state.files)} tensors from {len(set(state.files.values()))} safetensors file(s)",
+                          flush=True)
             else:
                 self._load(folder, manifest, with_optimizer=False, option="checkpoint.load")
             return 0
