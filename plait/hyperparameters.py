@@ -16,13 +16,18 @@ from plait.config import JobConfig, hf_folder
 DEBUG_CHOICES = ("lr", "warmup_steps", "steps", "seq_len", "global_batch_size")
 
 
+def schedule(cfg: JobConfig) -> str:
+    """The lr schedule in words: 'lr 0.002 (10 warmup steps, then cosine to 0.1x)'."""
+    t = cfg.training
+    shape = {"cosine": f"cosine to {t.min_lr_ratio:g}x", "constant": "constant",
+             "wsd": f"constant, then a {t.decay_shape} decay over the last {t.decay_fraction:g} of the steps to "
+                    f"{t.min_lr_ratio:g}x"}[t.lr_schedule]
+    return f"lr {t.lr:g} ({t.warmup_steps} warmup steps, then {shape})"
+
+
 def describe(cfg: JobConfig) -> str:
     t = cfg.training
-    schedule = {"cosine": f"cosine to {t.min_lr_ratio:g}x", "constant": "constant",
-                "wsd": f"constant, then a {t.decay_shape} decay over the last {t.decay_fraction:g} of the steps to "
-                       f"{t.min_lr_ratio:g}x"}[t.lr_schedule]
-    return (f"plait: hyper-parameters: {cfg.optimizer.name} lr {t.lr:g} ({t.warmup_steps} warmup steps, then "
-            f"{schedule}), {t.steps} steps, global batch {t.global_batch_size} sequences (micro {t.micro_batch_size}) "
+    return (f"plait: hyper-parameters: {cfg.optimizer.name} {schedule(cfg)}, {t.steps} steps, global batch {t.global_batch_size} sequences (micro {t.micro_batch_size}) "
             f"of seq_len {t.seq_len}, weight_decay {t.weight_decay:g}, max_norm {t.max_norm:g}")
 
 

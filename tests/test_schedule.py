@@ -62,8 +62,12 @@ def test_wsd_logs_its_formula_and_a_resumed_longer_run_decays_later(tmp_path):
         if later.name != "step-4":
             shutil.rmtree(later)
     resumed, proc = run_plait(tmp_path, "--training.steps", "20", *wsd, *folder)
-    assert "resuming with training.steps 10 -> 20" in proc.stdout
     longer = [lr * f for f in schedule("--training.steps", "20", *wsd)]
+    # the line says where the change takes the lr (issue 62: an extended run's lr moved unsaid)
+    shorter = [lr * f for f in schedule("--training.steps", "10", *wsd)]
+    assert (f"plait: resuming with training.steps 10 -> 20 (this run's options; the checkpoint had the former): "
+            f"step 5's lr {shorter[4]:.3g} -> {longer[4]:.3g} (lr {lr:g} (2 warmup steps, then constant, then a linear "
+            f"decay over the last 0.25 of the steps to 0.1x), 20 steps)") in proc.stdout, proc.stdout
     assert [r["step"] for r in resumed] == list(range(5, 21))
     assert [r["lr"] for r in resumed] == pytest.approx(longer[4:], rel=1e-12)
     assert [r["lr"] for r in resumed[:11]] == [lr] * 11 and resumed[-1]["lr"] == pytest.approx(0.1 * lr)

@@ -39,6 +39,7 @@ from plait.checkpoint.manifest import (RESUMABLE, STEP_FOLDER, claim_folder, lat
 from plait.config import ConfigError, JobConfig
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.tokenizer import TOKENIZER
+from plait.hyperparameters import schedule
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer, num_params
 from plait.models.weights import fill_weights, init_weights
@@ -177,6 +178,7 @@ class Checkpointer:
         schedule, a function of them (see plait/optim/schedule.py), continues from the resumed step.
         Rank 0 says which options differ from those the checkpoint recorded."""
         t, groups = self.cfg.training, self.optimizer.param_groups
+        saved_lr = self.scheduler.get_last_lr()[0]  # (the step's lr the checkpoint was saved after)
         self.scheduler.base_lrs = [t.lr] * len(groups)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, options in zip(groups, group_options(self.cfg), strict=True):
@@ -186,9 +188,11 @@ class Checkpointer:
         self.scheduler._last_lr = [group["lr"] for group in groups]
         changed = [f"{RESUMABLE[name]}.{name} {shown(saved[name])} -> {shown(value)}"
                    for name, value in resumable_options(self.cfg).items() if name in saved and saved[name] != value]
-        if changed and dist.get_rank() == 0:
-            print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former)",
-                  flush=True)
+        if changed and dist.get_rank() == 0:  # and where that takes the lr: a schedule changes under the run
+            done = self.scheduler.last_epoch
+            print(f"plait: resuming with {', '.join(changed)} (this run's options; the checkpoint had the former): "
+                  f"step {done + 1}'s lr {saved_lr:.3g} -> {groups[0]['lr']:.3g} ({schedule(self.cfg)}, {t.steps} "
+                  "steps)", flush=True)
 
     def _load(self, folder: Path, manifest: dict, with_optimizer: bool, option: str) -> None:
         verify(folder, manifest, option, dist.get_rank(), dist.get_world_size())
