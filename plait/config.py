@@ -202,8 +202,8 @@ class ActivationCheckpoint:
 @dataclass
 class Data:
     path: str = ""
-    """a folder made by `plait tokenize`, or raw text: a .txt/.jsonl/.parquet file, a folder of them, or a Hugging
-    Face `datasets` folder (tokenized into the cache at first use); empty = bundled corpus"""
+    """a folder made by `plait tokenize`, or raw text: a .txt/.md/.jsonl(.gz/.zst)/.parquet file, a folder of them,
+    or a Hugging Face `datasets` folder (tokenized into the cache at first use); empty = bundled corpus"""
     mix: str = ""
     """instead of data.path, several sources with weights: "PATH:WEIGHT,PATH:WEIGHT" (e.g. "web:0.7,code:0.3");
     each sequence of a step draws its source from the weights, seeded by (training.seed, step)"""
@@ -215,6 +215,8 @@ class Data:
     """vocabulary of the trained BPE (ignored when data.tokenizer is given)"""
     text_field: str = "text"
     """column or JSON key that holds the text in .jsonl/.parquet/datasets inputs"""
+    extensions: tuple[str, ...] = ()
+    """more file extensions read as plain text, one document per file, besides .txt and .md (e.g. .rst .tex)"""
 
 
 @dataclass

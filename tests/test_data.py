@@ -65,8 +65,30 @@ def test_txt_jsonl_folder(tmp_path):
     assert load_texts(str(folder / "b.jsonl"), "text") == DOCS[1:]
     (folder / "sub").mkdir()
     (folder / "sub" / "c.txt").write_text("nested")
-    (folder / "README.md").write_text("ignored")
+    (folder / "notes.csv").write_text("ignored")
     assert load_texts(str(folder), "text") == DOCS + ["nested"]  # sorted paths: a, b, sub/c
+
+
+def test_markdown_compressed_json_lines_and_more_text_suffixes(tmp_path):
+    """issue 62: a folder of .md files held "no text"; corpora ship compressed JSON lines (Dolma's
+    .json.gz, DCLM's .jsonl.zst), read as they stream; data.extensions adds text suffixes."""
+    import gzip
+
+    zstandard = pytest.importorskip("zstandard")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.md").write_text("# A page\n\nof markdown")
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in DOCS).encode()
+    (folder / "b.json.gz").write_bytes(gzip.compress(lines))
+    (folder / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    (folder / "d.rst").write_text("restructured")
+    assert load_texts(str(folder), "text") == ["# A page\n\nof markdown", *DOCS, *DOCS]
+    assert load_texts(str(folder), "text", (".rst",))[-1] == "restructured"
+    assert load_texts(str(folder / "d.rst"), "text", ("rst",)) == ["restructured"]
+    # a truncated archive is one line naming the file
+    (folder / "e.jsonl.gz").write_bytes(gzip.compress(lines)[:-12])
+    with pytest.raises(ConfigError, match=r"^data.path: .*e.jsonl.gz is not a readable .jsonl.gz file"):
+        load_texts(str(folder), "text")
 
 
 def test_parquet(tmp_path):

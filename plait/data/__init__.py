@@ -78,7 +78,7 @@ def open_data(cfg: Data, hf_start: Path | None = None) -> Corpus:
     group. `hf_start`: the Hugging Face folder the run starts from (checkpoint.load), whose own
     tokenizer.json data.tokenizer then is unless the user gave one (the messages say which)."""
     paths = _train_paths(cfg)
-    texts = None if cfg.tokenizer or cfg.mix or is_tokenized(cfg.path) else load_texts(cfg.path, cfg.text_field)
+    texts = None if cfg.tokenizer or cfg.mix or is_tokenized(cfg.path) else load_texts(cfg.path, cfg.text_field, cfg.extensions)
     tokenizer = build_tokenizer(cfg, texts)
     option = "data.mix" if cfg.mix else "data.path"
     sources = [open_source(path, cfg, tokenizer, option, texts, hf_start) for path, _ in paths]
@@ -96,7 +96,7 @@ def open_source(path: str, cfg: Data, tokenizer: Tokenizer, option: str, texts: 
         return folder
     if texts is None:
         try:
-            texts = load_texts(path, cfg.text_field)
+            texts = load_texts(path, cfg.text_field, cfg.extensions)
         except ConfigError as e:  # the documents' errors name data.path; this source may be another option
             raise ConfigError(str(e).replace("data.path:", f"{option}:", 1)) from None
     # the format in the name: a cache entry an older plait encoded differently is not reused

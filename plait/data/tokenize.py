@@ -58,8 +58,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"workers must be >= 1 and shard_mb > 0, got {opts.workers}, {opts.shard_mb}")
     tokenizer = build_tokenizer(d)
     start, kept = time.perf_counter(), []
-    with tqdm(total=source_bytes(d.path) or None, unit="B", unit_scale=True, desc="tokenize", mininterval=1) as bar:
-        manifest = write_folder(iter_documents(d.path, d.text_field), tokenizer, Path(opts.out),
+    with tqdm(total=source_bytes(d.path, d.extensions) or None, unit="B", unit_scale=True, desc="tokenize", mininterval=1) as bar:
+        manifest = write_folder(iter_documents(d.path, d.text_field, d.extensions), tokenizer, Path(opts.out),
                                 d.path or "(bundled corpus)", opts.workers, int(opts.shard_mb * 1e6), bar, kept)
     seconds = time.perf_counter() - start
     folder = f"{manifest['documents']} documents, {manifest['tokens']} tokens ({manifest['dtype']}, " \

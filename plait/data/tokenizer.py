@@ -50,7 +50,7 @@ def trained_tokenizer(data_cfg: Data, texts: list[str] | None = None, corpus_sha
     if vocab_size < 257:
         raise ConfigError(f"data.vocab_size: must be >= 257 (256 bytes + {EOS}), got {vocab_size}")
     if texts is None:
-        texts = load_texts(data_cfg.path, data_cfg.text_field)
+        texts = load_texts(data_cfg.path, data_cfg.text_field, data_cfg.extensions)
     path = cache_dir() / f"tokenizer-{(corpus_sha or fingerprint(texts))[:16]}-{vocab_size}.json"
     return cached_file(path, lambda: train_bpe(texts, vocab_size),
                        lambda tokenizer, tmp: tokenizer.save(str(tmp)), lambda p: Tokenizer.from_file(str(p)))
