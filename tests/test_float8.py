@@ -255,3 +255,30 @@ def test_one_device_mxfp8_keeps_fully_shard_whose_parameter_is_reused():
     from plait.precision import resolve
     assert not resolve(check_options(parse_args([*TINY, *MXFP8, *BF16]), world=1)).one_device
     assert resolve(check_options(parse_args([*TINY, *BF16]), world=1)).one_device
+
+
+def test_emulated_tensorwise_float8_equals_the_cpu_scaled_mm_within_fp32_summation_order():
+    """On a CPU, tensorwise float8 matmuls dequantise and multiply in fp32 (torchao's emulation)
+    instead of torch's CPU _scaled_mm, which is slow (issue 62: 4.7 s vs 4.6 ms for one 256 x 768 x
+    768 forward on an AMX Xeon): the output and both gradients are _scaled_mm's within fp32
+    summation order (measured 2.4e-7 of the largest value; bound 1e-6)."""
+    import dataclasses
+
+    from torch import nn
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    from plait.float8 import _recipe
+
+    emulated = _recipe("tensorwise", False, "cpu")
+    assert emulated.emulate
+    results = []
+    for config in (dataclasses.replace(emulated, emulate=False), emulated):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(768, 768, bias=False))
+        torchao_float8.convert_to_float8_training(layer, config=config)
+        torch.manual_seed(1)
+        x, grad = torch.randn(256, 768, requires_grad=True), torch.randn(256, 768)
+        out = layer(x)
+        out.backward(grad)
+        results.append((out.detach(), x.grad, layer[0].weight.grad))
+    for scaled_mm, dequantised in zip(*results):
+        assert (scaled_mm - dequantised).abs().max() <= 1e-6 * scaled_mm.abs().max()
