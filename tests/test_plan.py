@@ -352,3 +352,22 @@ def test_a_batch_left_at_the_debug_job_s_is_said_and_written_into_the_command(ca
            "corpus, not for llama3_8b): training.seq_len 128, training.global_batch_size 16; the plan is for them" \
            in out.err
     assert "--training.seq_len 128 --training.global_batch_size 16 " in out.out.split("plan: run it: ")[1]
+
+
+def test_a_calibration_from_too_short_a_budget_is_marked_and_plan_says_so(tmp_path, capsys):
+    """issue 62: `plait doctor --budget_seconds 5` measured fp32 at its smallest size only and
+    passed that speed to plan unmarked."""
+    from dataclasses import asdict
+
+    from plait.plan.calibration import data_sheet, short_curves
+
+    full = [(2.0 * n**3, 1e12) for n in (128, 256, 512, 1024)]
+    assert short_curves({"float32": full, "bfloat16": full[:2]}, gpu=False) == \
+        "bfloat16 at n=128, 256 only (of 128..1024)"
+    numbers = {**asdict(data_sheet("h100")), "short": short_curves({"float32": full[:1]}, gpu=False)}
+    (tmp_path / "doctor.json").write_text(json.dumps({"calibration": numbers}))
+    assert main(["plan", "--world", "2", "--device_memory_gib", "80", "--calibration", str(tmp_path / "doctor.json"),
+                 *TINY]) == 0
+    assert f"plan: warning: calibration {tmp_path / 'doctor.json'}: matmuls measured float32 at n=128 only (of " \
+           "128..1024): the speeds below understate the device; rerun plait doctor with a longer --budget_seconds" \
+           in capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from plait.doctor.report import FAIL, PASS, WARN, Check, odd_ones, rank_list, slow_ones
 from plait.float8 import native_float8
 from plait.hardware import data_sheet_flops, device_name, native_bf16
-from plait.plan.calibration import measure_compute
+from plait.plan.calibration import SQUARE_SIZES, measure_compute, short_curves
 
 SLOW_RANK = 0.5  # a rank under half the median speed of its peers: throttled, or faulty
 LOW_SHARE = 0.3  # under 30% of the data sheet's peak at the largest shape: a misconfigured device
@@ -87,7 +87,11 @@ def compute_checks(device: torch.device, seconds: float) -> list[Check]:
             low = median < LOW_SHARE * peak
         if slow:
             text += "; slow: " + ", ".join(f"rank {r} {every[r] / 1e12:.3g}" for r in slow)
-        checks.append(Check(f"compute: {name} matmul", text, threshold, WARN if slow or low else PASS, slow,
+        # which sizes it measured: a short budget stops before the large ones, whose speed is the device's
+        short = short_curves({name: numbers[len(numbers) // 2]["matmul"][name]}, device.type == "cuda")
+        text += f"; measured {short} (a longer --budget_seconds measures the rest)" if short else \
+            f"; measured at n={', '.join(str(n) for n in SQUARE_SIZES[device.type == 'cuda'])}"
+        checks.append(Check(f"compute: {name} matmul", text, threshold, WARN if slow or low or short else PASS, slow,
                             {"flops_per_rank": every, "peak": peak, **({"calibration_per_rank": numbers} if
                                                                         dtype == torch.float32 else {})}))
     return checks

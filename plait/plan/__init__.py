@@ -197,6 +197,9 @@ def main(argv: list[str]) -> int:
     check_sizes(base)  # (before a search over the batch's divisors)
     args = model_shape(base)
     cal = load(opts.device, opts.calibration)
+    if cal.short:  # a doctor's file from too short a budget: its speeds understate the device
+        print(f"plan: warning: calibration {opts.calibration}: matmuls measured {cal.short}: the speeds below "
+              "understate the device; rerun plait doctor with a longer --budget_seconds", file=sys.stderr)
     rows, refused = predict(base, args, opts.world, opts.device_memory_gib, cal, opts.node_size)
     if not rows:
         reasons = "; ".join(sorted(set(refused.values())))

@@ -60,6 +60,8 @@ class Calibration:
     """whether the device multiplies in bf16 (what `mixed_precision_param auto` picks)"""
     elementwise: dict[str, float] = field(default_factory=dict)
     """dtype -> bytes/s of element-wise work measured in a block of the job's model (else `memory`, as on GPUs)"""
+    short: str = ""
+    """the matmul curves a short budget stopped before their largest size (their speeds understate the device)"""
 
     def compute_bytes(self, param: str) -> int:
         """Bytes per element of the compute dtype `training.mixed_precision_param` asks for here."""
@@ -165,11 +167,22 @@ def timed(run, device: torch.device, seconds: float, at_least: int = 2) -> float
     return best
 
 
+SQUARE_SIZES = {False: (128, 256, 512, 1024), True: (1024, 2048, 4096, 8192)}  # n of the n x n x n matmuls: CPU, GPU
+
+
+def short_curves(matmul: dict[str, Curve], gpu: bool) -> str:
+    """'float32 at n=128 only (of 128..1024)' for each curve that stopped before its largest size."""
+    sizes = SQUARE_SIZES[gpu]
+    measured = {dtype: [round((flops / 2) ** (1 / 3)) for flops, _ in curve] for dtype, curve in matmul.items()}
+    return "; ".join(f"{dtype} at n={', '.join(map(str, ns))} only (of {sizes[0]}..{sizes[-1]})"
+                     for dtype, ns in measured.items() if dtype != "float8" and ns and max(ns) < sizes[-1])
+
+
 def square_curve(device: torch.device, seconds: float, matmuls: int, make) -> Curve:
     """(FLOPs of one n x n x n matmul, FLOP/s) from small to large, each size within its share of
     `seconds`: `make(n)` returns a call that runs `matmuls` of them. A size one call of which would
     not fit at the best rate so far (bf16 emulated on a CPU) is left out."""
-    sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512, 1024)
+    sizes = SQUARE_SIZES[device.type == "cuda"]
     curve: Curve = []
     for n in sizes:
         flops = 2.0 * n**3
@@ -341,7 +354,7 @@ def doctor_calibration(device_label: str, compute: list[dict], network: dict, la
         memory=middle["memory"], op_seconds=middle["op_seconds"], collectives=within,
         inter_node=curves("world") if nodes > 1 else within, latency=latency, asynchronous=gpu,
         cpu_share=middle["cpu_share"], cores=middle["cores"], native_bf16=bf16,
-        peak={d: max(r for _, r in c) for d, c in middle["matmul"].items()}))
+        peak={d: max(r for _, r in c) for d, c in middle["matmul"].items()}, short=short_curves(middle["matmul"], gpu)))
 
 
 def load(device: str, path: str) -> Calibration:
