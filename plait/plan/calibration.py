@@ -203,13 +203,15 @@ def matmul_curve(device: torch.device, dtype: torch.dtype, seconds: float) -> Cu
 
 
 def float8_curve(device: torch.device, seconds: float) -> Curve:
-    """A float8 matmul as torchao's tensorwise linear layer calls it (`torch._scaled_mm`: e4m3
-    operands, one scale each, bf16 out; a CPU dequantises and multiplies in fp32); empty where
-    the device has no such kernel."""
+    """A float8 matmul as torchao's tensorwise linear layer runs it: on a GPU `torch._scaled_mm`
+    (e4m3 operands, one scale each, bf16 out); on a CPU the emulation plait trains with (the
+    operands dequantised, multiplied in fp32: plait/float8.py); empty where the device has neither."""
     one = torch.ones((), device=device)
 
     def scaled(n: int):
         a, b = (torch.randn(n, n, device=device).to(torch.float8_e4m3fn) for _ in range(2))
+        if device.type == "cpu":
+            return lambda: torch.mm(a.float() / one, b.float().t() / one)
         # (b column-major, as the kernel wants its second operand)
         return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     try:
