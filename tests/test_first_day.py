@@ -40,6 +40,7 @@ FIRST_MODEL = [
     "plait export --checkpoint my_run/ --out my_model/",
     'plait generate --checkpoint my_run/ --prompt "The checkpoint" --temperature 0',
     "plait eval --checkpoint my_run/",
+    "plait recipes",  # (a recipe's two steps on a CPU, as the README shows them: tests/test_recipes.py)
 ]
 # W&B as the README's step 4 adds it (offline: no account, no network)
 WANDB = ["--metrics.wandb_project", "my-first-model", "--metrics.wandb_offline"]
@@ -119,7 +120,8 @@ def test_the_readme_walks_a_first_model_through_as_written(tmp_path):
                               text=True, timeout=300, env=env)
         assert proc.returncode == 0, f"{command} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         out[command] = proc
-    first, plot, resumed, export, generate, scored = (out[c] for c in FIRST_MODEL[1:])
+    first, plot, resumed, export, generate, scored, recipes = (out[c] for c in FIRST_MODEL[1:])
+    assert "  llama3_8b        Llama 3.1 8B pre-training on 8 x H100 80 GiB (one node)." in recipes.stdout
     run = tmp_path / "my_run"
     assert (run / f"step-{STEPS}" / "plait.json").is_file() and (run / "step-80" / "plait.json").is_file()
     assert f"plait: done: step {STEPS} | loss " in first.stdout and "val_loss" in first.stdout
