@@ -51,9 +51,15 @@ def test_a_recipe_passes_start_up_at_its_world_and_plan_says_it_fits_as_it_is_la
 # One CPU rank, the model shrunk; what a CPU cannot take in a test changed and nothing else: the
 # layout (its ranks are the hardware's), one sequence a step of the recipe's length (a recipe's
 # batch is up to 2.3M tokens), two steps with one warmup step (the schedule's shape kept).
-CPU = ["--training.steps", "2", "--training.warmup_steps", "1", "--training.decay_fraction", "0.5",
-       "--training.global_batch_size", "1", "--training.micro_batch_size", "1", "--training.threads", "1",
-       *(f"--parallelism.{name}={-1 if name == 'dp_shard' else 1}" for name in DEGREES)]
+README = ["--training.steps", "2", "--training.warmup_steps", "1", "--training.decay_fraction", "0.5",
+          "--training.global_batch_size", "1", "--training.micro_batch_size", "1"]
+CPU = [*README, "--training.threads", "1", *(f"--parallelism.{name}={-1 if name == 'dp_shard' else 1}"
+                                             for name in DEGREES)]
+
+
+def test_the_readme_tries_a_recipe_as_these_tests_do():
+    assert f"plait train --config llama3_8b --model.shrink {' '.join(README)} --parallelism.dp_shard 1\n" in \
+        (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name", RECIPES)
