@@ -44,11 +44,11 @@ def test_every_train_option_near_and_past_its_limits_is_accepted_or_refused_in_o
 
 
 def test_a_job_the_start_up_accepts_trains_at_its_one_device_reference_s_loss():
-    # (each case trains two steps twice: the pinned cases and a few generated ones)
-    prove("options", 4, {"trained at the reference's loss (fp32)"})
+    # (each case trains two steps twice: the pinned cases and two generated ones)
+    prove("options", 2, {"trained at the reference's loss (fp32)"})
 
 
 def test_a_run_stopped_anywhere_and_resumed_equals_the_run_uninterrupted():
-    # (each case is three short runs of one or two ranks: the budget is small here, long runs
-    # go through `python -m plait.proof.fuzz restart`)
-    prove("restart", 1, set())
+    # (each case is three runs of one or two ranks, a minute here: CI runs the pinned case, two
+    # replica groups killed after a save; long runs go through `python -m plait.proof.fuzz restart`)
+    prove("restart", 0, {"bitwise (sigkill)"})
