@@ -1,8 +1,8 @@
 """The trained half of the options generator: a job the start-up checks accept trains its steps
 at one, two or four ranks, and again on one device with its parallelism options dropped (the
-reference); every logged loss (and validation loss) agrees within the parity bound of its
-precision. Where the job scores tasks in the loop, the reference's last scores equal `plait eval`
-of its final checkpoint. A job that stops (a non-finite loss) must stop as its reference does,
+reference, forwarding the same sequences at once); every logged loss, validation loss, grad norm
+and aux loss agrees within the parity bound of its precision. Where the job scores tasks in the
+loop, the reference's last scores equal `plait eval` of its final checkpoint. A job that stops (a non-finite loss) must stop as its reference does,
 in one line; a traceback or a run past TIMEOUT is a counter-example.
 """
 
