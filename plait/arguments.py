@@ -72,6 +72,7 @@ def toml_to_args(path: Path) -> list[str]:
                 args += [flag, str(value)]
     return args
 
+
 def toml_type_error(value, hint) -> str | None:
     """What `hint` wants, where the TOML value is not of it (the file and key name the mistake,
     not the flag it becomes); None where it is."""
