@@ -57,9 +57,11 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
 
 
 def check_model(cfg: JobConfig) -> None:
-    """The options against the job's model (TP's and CP's head splits, experts for ep), from
-    options and files alone: what the launcher checks before it starts a rank, so a job that every
-    rank would refuse is one line instead of a rank per line and torchrun's report."""
+    """The options against the job's model (TP's and CP's head splits, experts for ep, layers
+    float8 can run), from options and files alone: what the launcher checks before it starts a
+    rank, so a job that every rank would refuse is one line instead of a rank per line."""
+    from plait import float8
+    from plait.hardware import pick_device
     from plait.job_model import model_shape
     from plait.parallel.context_parallel import check_heads
     from plait.parallel.expert_parallel import check_experts
@@ -69,6 +71,7 @@ def check_model(cfg: JobConfig) -> None:
     check_divisibility(args, cfg)
     check_heads(args, cfg)
     check_experts(args, cfg)
+    float8.check_layers(args, cfg, pick_device(cfg.training.device), resolve(cfg).compute)
 
 
 def validate(cfg: JobConfig, world: int) -> JobConfig:
