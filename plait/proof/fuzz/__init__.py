@@ -13,6 +13,8 @@ once failed pinned; `python -m plait.proof.fuzz NAME --examples N --seed S` runs
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -56,3 +58,26 @@ def run(generator: Generator, examples: int, seed_value: int, pinned: bool = Tru
         prove = example(case)(prove)
     prove()
     return outcomes
+
+
+def refusal(world: int, argv: list[str]) -> str | None:
+    """The start-up checks' one line (the options, then the model they make: what `plait train
+    --nproc N` checks before it starts a rank) where they refuse the job; a Counterexample where
+    they fail in any other way."""
+    from plait.arguments import parse_args
+    from plait.checks import check_model, check_options
+    from plait.config import ConfigError
+
+    command = f"plait train --nproc {world} {' '.join(argv)}"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            check_model(check_options(parse_args(argv), world))  # (what the launcher checks)
+    except ConfigError as e:
+        if "\n" in str(e).strip():
+            raise Counterexample(f"refused in more than one line: {str(e)!r}: {command}") from None
+        return str(e)
+    except SystemExit as e:  # (tyro's --help, never asked here)
+        raise Counterexample(f"exit {e.code} instead of a refusal: {command}") from None
+    except Exception as e:  # noqa: BLE001 (a traceback is the failure being looked for)
+        raise Counterexample(f"{type(e).__name__}: {e}: {command}") from e
+    return None

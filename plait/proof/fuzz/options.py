@@ -17,7 +17,8 @@ from functools import cache
 from hypothesis import strategies as st
 
 from plait.proof.fuzz import Generator
-from plait.proof.fuzz.trained import TASKS, VALIDATION, refusal, train_against_reference
+from plait.proof.fuzz import refusal
+from plait.proof.fuzz.trained import TASKS, VALIDATION, train_against_reference
 
 BASE = ["--training.steps", "2", "--training.seq_len", "32", "--training.global_batch_size", "4"]
 # Options that start something other than a training job (a lighthouse, a launch) or read the

@@ -10,8 +10,6 @@ weights are bitwise the same. A job the start-up checks refuse is counted, not r
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -24,7 +22,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from plait.proof.fuzz import Counterexample, Generator
+from plait.proof.fuzz import Counterexample, Generator, refusal
 
 STEPS = 6
 TIMEOUT = 600  # seconds a tiny job of six steps may take on a loaded machine before it counts as hung
@@ -64,22 +62,21 @@ def jobs(draw) -> tuple[int, tuple[str, ...], str, int]:
         draw(st.integers(2, STEPS - 2))
 
 
-def validation_text() -> str:
-    """A validation set's file, written once per process (its path is in the generated options)."""
-    path = scratch() / "validation.jsonl"
+def corpus_file(name: str, sentence: str, documents: int) -> str:
+    """A JSONL corpus in the scratch folder, written once per process (its path is in the options)."""
+    path = scratch() / name
     if not path.exists():
-        path.write_text("".join(json.dumps({"text": f"held-out document {i}: the loss is measured here. " * 8}) + "\n"
-                                for i in range(200)))
+        path.write_text("".join(json.dumps({"text": f"{sentence.format(i)} " * 8}) + "\n" for i in range(documents)))
     return str(path)
+
+
+def validation_text() -> str:
+    return corpus_file("validation.jsonl", "held-out document {}: the loss is measured here.", 200)
 
 
 def mixed_text() -> str:
-    """A second source for mixtures (the validation text is the other), written once per process."""
-    path = scratch() / "mixed.jsonl"
-    if not path.exists():
-        path.write_text("".join(json.dumps({"text": f"source two, document {i}: words of another kind. " * 8}) + "\n"
-                                for i in range(400)))
-    return str(path)
+    """A second source for mixtures (the validation text is the other)."""
+    return corpus_file("mixed.jsonl", "source two, document {}: words of another kind.", 400)
 
 
 def tokenizer_file() -> str:
@@ -97,21 +94,6 @@ def command(world: int, options: tuple[str, ...], folder: Path) -> list[str]:
     return [sys.executable, "-m", "plait", "train", "--nproc", str(world), *options, "--training.steps", str(STEPS),
             "--training.threads", "1", "--checkpoint.folder", str(folder / "ckpt"), "--checkpoint.interval", "1",
             "--metrics.jsonl", str(folder / "metrics.jsonl"), "--metrics.log_interval", "1"]
-
-
-def refusal(world: int, options: tuple[str, ...]) -> str | None:
-    """The start-up checks' one line (the options, then the model's), where they refuse the job, as
-    `plait train --nproc` does first."""
-    from plait.arguments import parse_args
-    from plait.checks import check_model, check_options
-    from plait.config import ConfigError
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            check_model(check_options(parse_args([*options, "--training.steps", str(STEPS)]), world))
-    except ConfigError as e:
-        return str(e)
-    return None
 
 
 def run(argv: list[str], stop=None, cwd: Path | None = None, merge: bool = True) -> subprocess.CompletedProcess:
@@ -195,7 +177,7 @@ def check(job) -> str:
     world, options, kind, at = job
     options = tuple(o.replace(VALIDATION, validation_text()).replace(MIXED, mixed_text())
                     .replace(TOKENIZER, tokenizer_file()) for o in options)
-    if refusal(world, options) is not None:
+    if refusal(world, [*options, "--training.steps", str(STEPS)]) is not None:
         return "refused at start-up"
     root = scratch()
     whole, _ = uninterrupted(world, options, str(root))

@@ -8,8 +8,6 @@ in one line; a traceback or a run past TIMEOUT is a counter-example.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 import sys
@@ -17,7 +15,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from plait.proof.fuzz import Counterexample
+from plait.proof.fuzz import Counterexample, refusal
 from plait.proof.fuzz.restart import run as run_job
 from plait.proof.fuzz.restart import validation_text
 
@@ -165,29 +163,6 @@ def train_against_reference(world: int, argv: list[str]) -> str:
                 raise Counterexample(f"step {ref['step']} {name} {row[name]!r} vs {ref[name]!r} on one device "
                                      f"(bound {bound} relative)\n{shown}")
     return f"trained at the reference's loss ({precision(argv)})"
-
-
-def refusal(world: int, argv: list[str]) -> str | None:
-    """The start-up checks' one line (the options, then the model they make: what `plait train
-    --nproc N` checks before it starts a rank) where they refuse the job; a Counterexample where
-    they fail in any other way."""
-    from plait.arguments import parse_args
-    from plait.checks import check_model, check_options
-    from plait.config import ConfigError
-
-    command = f"plait train --nproc {world} {' '.join(argv)}"
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            check_model(check_options(parse_args(argv), world))  # (what the launcher checks)
-    except ConfigError as e:
-        if "\n" in str(e).strip():
-            raise Counterexample(f"refused in more than one line: {str(e)!r}: {command}") from None
-        return str(e)
-    except SystemExit as e:  # (tyro's --help, never asked here)
-        raise Counterexample(f"exit {e.code} instead of a refusal: {command}") from None
-    except Exception as e:  # noqa: BLE001 (a traceback is the failure being looked for)
-        raise Counterexample(f"{type(e).__name__}: {e}: {command}") from e
-    return None
 
 
 @cache
