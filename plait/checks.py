@@ -143,8 +143,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("moe_aux_loss_coef", "moe_sequence_aux_coef", "mtp_loss_weight", "moe_bias_rate"):
         if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
             raise ConfigError(f"training.{name}: must be a finite number >= 0, got {getattr(t, name)}")
-    if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0:
-        raise ConfigError("training: lr must be > 0; warmup_steps, max_norm and threads must be >= 0")
+    if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0 or t.loss_chunk < 0:
+        raise ConfigError("training: lr must be > 0; warmup_steps, max_norm, threads and loss_chunk must be >= 0")
     dp = dp_degree(cfg)
     if t.micro_batch_size == 0:
         if t.global_batch_size % dp:

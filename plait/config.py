@@ -1,6 +1,5 @@
-"""Every option of a plait job: typed defaults (read from TOML files and the
-command line by `plait.arguments`) and the quantities derived from them (world size, dp degree,
-accumulation steps).
+"""Every option of a plait job: typed defaults (read from TOML files and the command line by
+`plait.arguments`) and the quantities derived from them (world size, dp degree, accumulation).
 
 One dataclass per TOML section. The same names work as `--section.key VALUE` on the command
 line and as `[section] key = value` in a TOML file; the command line wins. `plait.checks` checks
@@ -95,6 +94,8 @@ class Training:
     """auto = CUDA+NCCL when present, else CPU+gloo"""
     threads: int = 0
     """CPU threads per rank; 0 = cores / local ranks (results depend on it: pin it to compare runs)"""
+    loss_chunk: int = 256
+    """tokens per chunk of the output layer and loss: never the whole logits (plait/models/loss.py); 0 = whole"""
     host_memory: Literal["auto", "retain", "release"] = "auto"
     """retain: keep freed host memory in the process (glibc: no mmap, no trimming) instead of faulting the same
     activations in again every step; release: glibc's default; auto = retain on a CPU device (plait/host_memory.py)"""
@@ -396,5 +397,4 @@ def dp_degree(cfg: JobConfig) -> int:
 
 
 def grad_accumulation_steps(cfg: JobConfig) -> int:
-    t = cfg.training
-    return t.global_batch_size // (t.micro_batch_size * dp_degree(cfg))
+    return cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp_degree(cfg))

@@ -36,7 +36,7 @@ from plait.metrics import summary
 from plait.metrics.logger import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
 from plait.metrics.wandb_log import wandb_sinks
 from plait.models.masking import attention_kernel
-from plait.models.transformer import cross_entropy, flops_per_token, linear_weight_shapes
+from plait.models.transformer import flops_per_token, linear_weight_shapes
 from plait.optim import optimizers
 from plait.optim.clipping import clip_and_norm
 from plait.optim.schedule import factor
@@ -112,7 +112,7 @@ def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts, l
         # The context spans forward too: DDP decides in forward whether backward reduces.
         with parallel.gradient_sync(model, i == len(batches) - 1):
             with contexts.forward():
-                loss = cross_entropy(model(inputs, **attention), labels)
+                loss = model(inputs, labels=labels, **attention)
             with contexts.backward():
                 (loss / len(batches)).backward()
         # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.

@@ -14,7 +14,6 @@ from conftest import AUTOCAST, BF16, LAYOUTS, STEPS, layout_run, losses, max_abs
 from plait import parallel
 from plait.arguments import parse_args
 from plait.checks import check_options
-from plait.models.transformer import cross_entropy
 from plait.models.flavors import model_args
 from plait.precision import TrainContexts, resolve
 
@@ -74,7 +73,7 @@ def _compiled_autograd_ddp(rank, world, store_path, results):
             contexts = TrainContexts(precision, "cpu", compiled_autograd=compiled)
             tokens = torch.randint(0, 500, (2, 33), generator=torch.Generator().manual_seed(rank))  # rank-local data
             with contexts.forward():
-                loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+                loss = model(tokens[:, :-1], labels=tokens[:, 1:])
             with contexts.backward():
                 loss.backward()
             grads[compiled] = torch.cat([p.grad.flatten() for p in model.parameters()])

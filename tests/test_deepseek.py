@@ -15,7 +15,7 @@ from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.config import ConfigError
 from plait.models.flavors import model_args
-from plait.models.transformer import Transformer, cross_entropy
+from plait.models.transformer import Transformer
 from plait.models.weights import init_weights
 from test_parity import REFERENCE
 
@@ -42,14 +42,14 @@ def test_mtp_loss_and_its_gradient_equal_a_per_token_reference():
     labels = torch.randint(0, 320, (2, 24))
     further = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
     model.mtp_scale = weight
-    loss = cross_entropy(model(tokens, next_tokens=(labels, further)), labels)
+    loss = model(tokens, next_tokens=(labels, further), labels=labels)
     loss.backward()
     measured, grads = model.mtp_records[0], {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad()
     outputs = {}
     model.layers["1"].register_forward_hook(lambda module, args, out: outputs.setdefault("h", out))
-    main = cross_entropy(model(tokens), labels)
+    main = model(tokens, labels=labels)
     h, predictor = outputs["h"], model.mtp["0"]
     joined = torch.stack([torch.stack([predictor.eh_proj(torch.cat([
         predictor.enorm(model.tok_embeddings.weight[labels[b, t]]), predictor.hnorm(h[b, t])]))
@@ -169,7 +169,7 @@ def test_the_balance_loss_coefficient_weighs_the_mean_over_every_moe_layer_the_m
     further = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
     ExpertLoad(model, model.args, 1, 0.0, 0.0, None, None, sequence_coefficient=c)  # one forward per step
     FurtherTokens(model, model.args, 1, weight, torch.device("cpu"), None)
-    cross_entropy(model(tokens, next_tokens=(labels, further)), labels).backward()
+    model(tokens, next_tokens=(labels, further), labels=labels).backward()
     trained = {name: param.grad.clone() for name, param in model.named_parameters()}
     logged = [aux for layer in layers for _, aux in layer.records]
 
@@ -178,7 +178,7 @@ def test_the_balance_loss_coefficient_weighs_the_mean_over_every_moe_layer_the_m
     for layer in layers:
         layer.aux_scale = 0.0
         layer.router.register_forward_hook(lambda router, args, out: routed.append((owner[id(router)], out)))
-    loss = cross_entropy(model(tokens, next_tokens=(labels, further)), labels)  # (the MTP loss weighted as above)
+    loss = model(tokens, next_tokens=(labels, further), labels=labels)  # (the MTP loss weighted as above)
     assert len(routed) == 2
     mean = sum(layer.sequence_aux_loss(experts, scores, 2) for layer, (scores, experts, _) in routed) / 2
     (loss + c * mean).backward()

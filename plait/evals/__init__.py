@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from plait.config import ConfigError, Eval, JobConfig
 from plait.data import open_source
 from plait.evals.tasks import Request, Task, load_task, requests, scores
-from plait.models.transformer import cross_entropy, row_log_likelihoods
+from plait.models.transformer import row_log_likelihoods
 
 
 @dataclass
@@ -163,7 +163,7 @@ def model_forward(model, pipeline, contexts, layout, groups: Groups):
                 dist.all_reduce(sums, group=pipeline.group)  # from the last stage to every rank
             else:
                 with contexts.forward():
-                    sums = row_log_likelihoods(model(inputs, **attention), labels)
+                    sums = row_log_likelihoods(model(inputs, labels=labels, per_token=True, **attention))
                 if isinstance(sums, DTensor):  # TP's loss parallelism: computed across the vocabulary shards
                     sums = sums.full_tensor()
         if groups.cp is not None:  # each cp rank summed its part of every row
@@ -189,7 +189,7 @@ def validation_loss(model, pipeline, batches: list, contexts, layout, loss_group
                 dist.all_reduce(loss, group=pipeline.group)  # from the last stage to every rank
             else:
                 with contexts.forward():
-                    loss = cross_entropy(model(inputs, **attention), labels)
+                    loss = model(inputs, labels=labels, **attention)
                 loss = (loss.to_local() if isinstance(loss, DTensor) else loss).reshape(1)
             losses.append(loss)
     local = torch.cat(losses).float()

@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
 
     def forward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return row_log_likelihoods(model(inputs), labels)
+            return row_log_likelihoods(model(inputs, labels=labels, per_token=True))
 
     log_likelihoods = suite.log_likelihoods(forward, opts.batch_size, torch.device("cpu"), granule=1)
     metrics = suite.metrics(log_likelihoods)

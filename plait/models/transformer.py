@@ -18,6 +18,7 @@ from torch import nn
 from plait.models.attention import Attention, KVCache
 from plait.models.flavors import ModelArgs
 from plait.models.latent_attention import LatentAttention
+from plait.models.loss import OutputLoss
 from plait.models.mlp import FeedForward
 from plait.models.moe import EXPERT_BIASES, AuxLoss, MoE, in_backward, moe_layers
 from plait.models.norms import RMSNorm
@@ -69,8 +70,12 @@ class TiedOutput(nn.Module):
         super().__init__()
         self.embedding = [embedding]  # in a list: not a submodule, so the matrix is not registered twice
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding[0].weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.embedding[0].weight)
+        return F.linear(x, self.weight)
 
 
 class Transformer(nn.Module):
@@ -84,6 +89,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = TiedOutput(self.tok_embeddings) if args.tie_embeddings else \
             nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.loss = OutputLoss()  # (the trainer sets its chunk: training.loss_chunk)
         # Training only (generation and evaluation forward without `next_tokens`); its losses, each
         # forward's, are added to the gradient (scale: mtp_scale, which the trainer sets) and
         # recorded for the step's metric.
@@ -107,12 +113,15 @@ class Transformer(nn.Module):
                 moe.router.bias.zero_()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                mask=None, next_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                mask=None, next_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                labels: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
         """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
         `mask` (plait/models/masking.py): which keys each query sees: None = causal over the
         sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMask (a dict
         of them by window, where blocks differ in their window). `next_tokens`: (token t+1, token
-        t+2) at each position (-100: none), for multi-token prediction's loss."""
+        t+2) at each position (-100: none), for multi-token prediction's loss. `labels`: return
+        the mean next-token loss over the labels not -100 instead of the logits (`per_token`: each
+        token's, 0 where -100, without gradient)."""
         # A pipeline stage lacks some parts: what it lacks, the activations pass through. A later
         # stage's input is the hidden state (the last may hold the embedding too: MTP's).
         x = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
@@ -124,7 +133,23 @@ class Transformer(nn.Module):
             x = self.predict_further(x, rope, mask, *next_tokens)
         if cache is not None:
             cache.advance(tokens.shape[1])
-        return self.output(self.norm(x)) if self.output is not None else x
+        if self.output is None:
+            return x
+        return self.output(self.norm(x)) if labels is None else self.loss_of(self.norm(x), labels, per_token=per_token)
+
+    def loss_of(self, hidden: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int | None = None,
+                per_token: bool = False) -> torch.Tensor:
+        """The loss of final hidden states (after the norm): the mean over the labels not -100,
+        or their sum / `divisor`. With a loss chunk, chunk by chunk (plait/models/loss.py); without
+        one, from the whole logits."""
+        if self.loss.chunk:
+            return self.loss(hidden, self.output.weight, labels, divisor, per_token)
+        logits = self.output(hidden).flatten(0, 1).float()
+        if per_token:
+            return F.cross_entropy(logits, labels.flatten(), reduction="none").view(labels.shape)
+        if divisor is None:
+            return F.cross_entropy(logits, labels.flatten())
+        return F.cross_entropy(logits, labels.flatten(), reduction="sum") / divisor
 
     def predict_further(self, h: torch.Tensor, rope: torch.Tensor, mask, following: torch.Tensor,
                         targets: torch.Tensor) -> torch.Tensor:
@@ -134,8 +159,7 @@ class Transformer(nn.Module):
         sequence's loss)."""
         predictor = self.mtp["0"]
         out = predictor(h, self.tok_embeddings(following), rope, mask)
-        logits = self.output(predictor.norm(out))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / targets.numel()
+        loss = self.loss_of(predictor.norm(out), targets, divisor=targets.numel())
         if torch.compiler.is_compiling() or not in_backward():  # (once per step's forward, not in a recompute)
             self.mtp_records.append(loss.detach())
         return AuxLoss.apply(h, loss, self.mtp_scale)
@@ -177,16 +201,10 @@ def initial_value(model: Transformer, name: str, shape: torch.Size, seed: int) -
     return nn.init.trunc_normal_(value, std=std, a=-3 * std, b=3 * std, generator=torch.Generator().manual_seed(key))
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in float32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def row_log_likelihoods(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[batch] log-likelihood of each row's labelled tokens (labels -100 are not counted), summed
-    in float64 from float32 log-probabilities."""
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-    return -nll.view(labels.shape).double().sum(-1)
+def row_log_likelihoods(token_losses: torch.Tensor) -> torch.Tensor:
+    """[batch] log-likelihood of each row's labelled tokens, summed in float64 from the float32
+    losses per token (`model(..., labels=labels, per_token=True)`: 0 where a label is -100)."""
+    return -token_losses.double().sum(-1)
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False, active: bool = False) -> int:

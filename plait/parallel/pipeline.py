@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import JobConfig
 from plait.models.flavors import ModelArgs
-from plait.models.transformer import Transformer, cross_entropy, row_log_likelihoods
+from plait.models.transformer import Transformer, row_log_likelihoods
 from plait.models.moe import moe_layers
 from plait.parallel import parallelize
 from plait.parallel.stages import MULTI_STAGE, microbatches, split_blocks, stage_indices, stages_per_rank
@@ -167,12 +167,12 @@ class Pipeline:
         m = self.microbatches = microbatches(cfg)
         self.scoring = False  # score(): the schedule's "loss" is each row's log-likelihood
 
-        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with contexts.forward():  # the loss belongs to the forward, as outside pipelining
-                if self.scoring:
-                    sums = row_log_likelihoods(logits, labels)
-                    return sums.full_tensor() if isinstance(sums, DTensor) else sums
-                loss = cross_entropy(logits, labels) / m
+        # The last stage's output is its loss (it has the labels: `_run`), or each token's when scoring.
+        def loss_fn(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            if self.scoring:
+                sums = row_log_likelihoods(output)
+                return sums.full_tensor() if isinstance(sums, DTensor) else sums
+            loss = output / m
             # Under loss parallelism a replicated DTensor; the schedule gets its local value (the
             # whole loss on every TP rank), and to_local's backward makes the gradient a DTensor.
             return loss.to_local() if isinstance(loss, DTensor) else loss
@@ -217,7 +217,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         # The schedule splits `attention`'s tensors into micro-batches, as it splits the inputs,
         # and hands them to every stage (each stage's blocks attend).
-        kwargs = {**attention, **({"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {})}
+        kwargs = {**attention, "labels": labels, "per_token": self.scoring,
+                  **({"target": labels, "losses": losses, "return_outputs": False} if self.has_last else {})}
         # Loss parallelism around the whole step: at the first step the stages also run forward
         # and backward for shape inference, outside the chunk methods that enter the phases.
         for stage in self.stages:

@@ -4,7 +4,9 @@ Megatron-style: q/k/v and SwiGLU w1/w3 are split column-wise (each rank owns who
 slice of the FFN hidden units), wo and w2 row-wise, so each block needs one all-gather and one
 reduce-scatter per sub-layer. With sequence parallelism the norms and the residual stream are
 split along the sequence between those points, so no rank holds the full activations. With loss
-parallelism the logits stay split over the vocabulary and cross-entropy is computed on shards.
+parallelism the logits stay split over the vocabulary and cross-entropy is computed on shards;
+the chunked loss (training.loss_chunk) always computes them so, each rank its vocabulary slice of
+each chunk, reducing the softmax's statistics over TP (`vocab_parallel_loss`).
 
 The switches of Llama's relatives follow their weights: q/k/v and w1/w3 biases split with their
 columns, wo and w2 biases are added once after the reduction; a per-head q/k norm (one weight
@@ -39,6 +41,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from plait.config import ConfigError, JobConfig
 from plait.models.flavors import ModelArgs
 from plait.models.latent_attention import LatentAttention
+from plait.models.loss import VocabShard
 from plait.models.moe import MoE
 from plait.models.transformer import TiedOutput
 
@@ -49,8 +52,8 @@ def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
     if tp == 1:
         return
     sizes = {"model n_heads": args.n_heads, "model n_kv_heads": args.n_kv_heads, "model FFN hidden size": args.ffn_hidden}
-    if p.loss_parallel:
-        sizes["vocabulary size (parallelism.loss_parallel)"] = args.vocab_size
+    if p.loss_parallel or cfg.training.loss_chunk:
+        sizes["vocabulary size (parallelism.loss_parallel or training.loss_chunk)"] = args.vocab_size
     if p.sequence_parallel:
         sizes["training.seq_len (parallelism.sequence_parallel)"] = cfg.training.seq_len
     for what, size in sizes.items():
@@ -151,6 +154,23 @@ def latent_attention_plan(attention: LatentAttention, between) -> dict[str, Para
     return plan | {"attention.wo": RowwiseParallel(output_layouts=between)}
 
 
+def vocab_parallel_loss(model: nn.Module, between, mesh: DeviceMesh) -> None:
+    """The chunked loss on this rank's rows of the output matrix (the output layer's split keeps
+    them: Shard(0)), from the final hidden states gathered whole; its hidden-state gradient is
+    this rank's part, summed on the way back (reduce-scattered under SP)."""
+    group = mesh.get_group()
+    rows = model.args.vocab_size // mesh.size()
+    model.loss.shard = VocabShard(mesh.get_local_rank() * rows,
+                                  lambda t, op: funcol.all_reduce(t, op, group).wait())
+    gathered = latent_input(between, mesh)
+
+    def hook(module, args, kwargs):
+        (hidden, *rest), kwargs = gathered(module, args, kwargs)
+        return (hidden, rest[0].to_local(), *rest[1:]), kwargs
+
+    model.loss.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     # Between blocks activations are split on the sequence (SP) or replicated.
     between = Shard(1) if sequence_parallel else Replicate()
@@ -170,6 +190,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     # A pipeline stage holds some of these parts only; between stages activations travel as the
     # local pieces of `between`, which the next stage's first block expects.
     parallelize_module(model, tp_mesh, {name: plan for name, plan in outer.items() if getattr(model, name) is not None})
+    if model.output is not None and model.loss.chunk:
+        vocab_parallel_loss(model, between, tp_mesh)
     for predictor in model.mtp.values() if sequence_parallel else ():
         # Multi-token prediction's norms and projection run on the sequence shard, their weights
         # replicated with partial gradients (without SP every rank runs them whole: plain tensors);

@@ -22,6 +22,8 @@ from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.optim.optimizers import uses_muon
 from plait.parallel.activation_checkpoint import checkpointed_blocks
+from plait.plan.features import (latent_gather, masked, mx_experts, sequence_aux, ulysses_degree, ulysses_kv_heads,
+                                 window_tail_keys)
 
 # (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum.)
 COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight",
@@ -267,24 +269,6 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
     return record + kept + mx
 
 
-def ulysses_kv_heads(kv: int, n: int) -> int:
-    """Key/value heads Ulysses splits over n ranks: kv, or repeated up to the least multiple of n."""
-    return math.lcm(kv, n) if kv % n else kv
-
-
-def ulysses_degree(cfg: JobConfig) -> int:
-    """The ranks a layer's heads are split over by all-to-all: cp under Ulysses, cp_ulysses under
-    hybrid, else 1 (keys and values all-gathered over the rest of cp)."""
-    p = cfg.parallelism
-    return {"ulysses": p.cp, "hybrid": p.cp_ulysses}.get(p.cp_kind, 1) if p.cp > 1 else 1
-
-
-def masked(cfg: JobConfig, own_mask: bool = False) -> bool:
-    """Whether attention runs under a mask built from document ids: the document mask, causal
-    rows under all-gather or hybrid cp (Ulysses' whole sequences take SDPA's causal path), or a
-    block with a mask of its own (ModelArgs.own_mask: a sliding window, sinks)."""
-    return cfg.model.attention_mask == "document" or 1 < cfg.parallelism.cp != ulysses_degree(cfg) or own_mask
-
 
 def rope_rows_bytes(args: ModelArgs, cfg: JobConfig, sequences: int) -> int:
     """What a forward given positions (the document mask, or cp) keeps besides the blocks,
@@ -326,8 +310,7 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
                                        sequence_aux(args, cfg), mx_experts(args, cfg, e))
                 for i in blocks)
     if last:
-        vocab = args.vocab_size // tp
-        total += tokens // tp * (8 * args.dim + 4) + tokens * (e * args.dim + 4 * vocab) + 8
+        total += tokens // tp * (8 * args.dim + 4) + loss_bytes(args, cfg, tokens, e)
         total += args.mtp_layers * mtp_bytes(args, cfg, tokens, e)
     else:  # the schedule keeps the stage's output (the sequence shard under TP) for its backward
         total += tokens * args.dim // tp * e
@@ -342,46 +325,28 @@ def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
     own. Under TP (with SP, as plan assumes) the norms and eh_proj run on the sequence shard."""
     d, block, tp = args.dim, args.n_layers, cfg.parallelism.tp
     own = (8 * d + 4) + (4 * d + 4 + 4 * d * (e != 4)) + 2 * e * d + (8 * d + 4)
-    return tokens // tp * own + tokens * (e * d + 4 * args.vocab_size // tp) + 8 + \
+    return tokens // tp * own + loss_bytes(args, cfg, tokens, e) + \
         block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block)), cfg.parallelism.cp,
                                args.sparse(block), ulysses_degree(cfg), window_tail_keys(args, cfg, block, tokens),
                                latent_gather(cfg), sequence_aux(args, cfg), mx_experts(args, cfg, e))
 
 
-def mx_experts(args: ModelArgs, cfg: JobConfig, e: int) -> bool:
-    """Whether the experts' grouped matmuls run MXFP8 (bf16 compute, whole blocks); builds a model only under MXFP8."""
-    if not (float8.microscaling(cfg.training.float8) and args.n_experts and e == 2):
-        return False
-    return not any(float8.expert_plan(args, cfg.training.float8, torch.device("cpu"), torch.bfloat16).values())
-
-
-def latent_gather(cfg: JobConfig) -> bool:
-    """Latent attention under all-gather cp gathers each token's key latent and RoPE key and
-    expands them on every rank (cp_gather latent), not every head's keys and values."""
-    p = cfg.parallelism
-    return p.cp > 1 and p.cp_kind == "allgather" and p.cp_gather == "latent"
-
-
-def sequence_aux(args: ModelArgs, cfg: JobConfig) -> bool:
-    """A sigmoid router's layers compute DeepSeek-V3's sequence-wise loss (moe_sequence_aux_coef)."""
-    return bool(args.n_experts) and args.router != "softmax" and cfg.training.moe_sequence_aux_coef > 0
-
-
-def window_tail_keys(args: ModelArgs, cfg: JobConfig, block: int, tokens: int) -> int:
-    """Under all-gather cp, the keys a rank gathers for a sliding block whose window fits in a
-    chunk: window - 1 before each of its two chunks of each sequence (0: it gathers them all)."""
-    p, tail = cfg.parallelism, args.window(block) - 1
-    sequences = tokens * p.cp // cfg.training.seq_len
-    fits = p.cp > 1 and p.cp_kind == "allgather" and 0 < tail <= cfg.training.seq_len // (2 * p.cp)
-    return 2 * sequences * tail if fits else 0
+def loss_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
+    """What a loss keeps for backward: chunked (plait/models/loss.py), the gradients it computed in
+    forward, of the hidden states (gathered whole under TP) and of the rank's output rows; whole,
+    the output layer's input, the fp32 log-softmax of the logits and cross-entropy's two scalars."""
+    vocab = args.vocab_size // cfg.parallelism.tp
+    if cfg.training.loss_chunk:
+        return e * args.dim * (tokens + vocab)
+    return tokens * (e * args.dim + 4 * vocab) + 8
 
 
 def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: int) -> int:
     """Workspace beside state and activations (an estimate): gathered parameters in the compute
     dtype (the root unit and two blocks, the one computing and the one prefetched, when FSDP
     shards; every parameter when it does not and compute is not fp32), one block's unsharded
-    fp32 gradients before their reduce-scatter, the logits with their fp32 copy, and under a
-    mask one query block's mask (boolean and in the compute dtype) over the whole sequence (over
+    fp32 gradients before their reduce-scatter, the logits with their fp32 copy (a chunk's: `loss_bytes`), and
+    under a mask one query block's mask (boolean and in the compute dtype) over the whole sequence (over
     its window's keys, where only sliding blocks are masked), and MXFP8's copies of one matmul."""
     p, t = cfg.parallelism, cfg.training
     grouped = units(params)
@@ -391,7 +356,12 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * (sizes.get("root", 0) + sum(blocks[:2])) + 4 * (blocks[0] if blocks else 0)
     else:
         gathered = e * sum(sizes.values()) if e != 4 else 0
-    logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4) if holds_output(args, params) else 0
+    logits = 0
+    if holds_output(args, params) and t.loss_chunk:  # a chunk's in fp32 and its softmax's two temporaries, and
+        vocab = args.vocab_size // p.tp  # (not fp32) the fp32 sum of the output matrix's gradient
+        logits = min(t.loss_chunk, tokens // p.cp) * vocab * 12 + 4 * vocab * args.dim * (e != 4)
+    elif holds_output(args, params):
+        logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4)
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
     window = args.windows[-1]  # the widest
     full = masked(cfg, args.attention_sinks)  # some block masked over the whole sequence

@@ -35,9 +35,9 @@ from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed
+from plait.plan.features import latent_gather, masked, ulysses_degree
 from plait.plan.memory import (Layout, block_activation_bytes, block_indices, gathered_elements, holds_output,
-                               local_rows_cols, latent_gather, masked, parameter_shapes, plan_name,
-                               rank_parameters, stage_blocks, ulysses_degree, units)
+                               local_rows_cols, parameter_shapes, plan_name, rank_parameters, stage_blocks, units)
 
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written

@@ -41,7 +41,7 @@ from plait.data import build_tokenizer, eos_id
 from plait.hardware import linear_shapes, peak_flops
 from plait.models.masking import document_ids, positions_in_documents
 from plait.metrics.logger import Utilisation, peak_memory_gib, state_memory_gib
-from plait.models.transformer import Transformer, cross_entropy, flops_per_token, linear_weight_shapes
+from plait.models.transformer import Transformer, flops_per_token, linear_weight_shapes
 from plait.models.flavors import model_args
 
 
@@ -145,7 +145,7 @@ def train(cfg: BaselineConfig) -> None:
             attention = {"positions": positions_in_documents(documents), "mask": documents}
         with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             logits = model(inputs).logits if cfg.model == "transformers" else model(inputs, **attention)
-            loss = cross_entropy(logits, labels)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_norm).item()
         optimizer.step()

@@ -1,0 +1,114 @@
+"""The next-token loss computed with the output layer, chunk by chunk over tokens: neither the
+batch's logits nor their gradient is ever held whole.
+
+At 2026 vocabularies the logits are a step's largest activation (Qwen3's 151,936 entries per
+token, gpt-oss's 201,088: 5-6.6 GB for one 8192-token sequence in fp32), and backward wants a
+gradient as large. Here each chunk of `chunk` tokens computes its logits, its losses and, when a
+gradient is wanted, at once the gradients of its hidden states and of the output matrix (the
+logits' gradient is softmax - one-hot, known in forward); then the chunk's logits are freed.
+Backward only scales what forward computed, so the output layer costs the three matmuls it
+always did and recomputes nothing (the scheme of Liger-Kernel's fused linear cross-entropy).
+
+Numerics are those of the whole-logits loss: logits in the compute dtype (autocast's or the
+parameters'), upcast to fp32 for the softmax; the logits' gradient cast back to the compute dtype
+for its two matmuls. The output matrix's gradient is summed over chunks in fp32 and rounded to the
+matrix's dtype once, as one matmul over all tokens would round it.
+
+Under tensor parallelism the output matrix is split on the vocabulary: each rank computes its
+slice of every chunk's logits, and the softmax's max, its sum and the label's logit are reduced
+over the ranks (`VocabShard`, which plait/parallel/tensor_parallel.py sets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE = -100  # a label that counts for nothing (F.cross_entropy's ignore_index)
+
+
+def _whole(t: torch.Tensor, op: str) -> torch.Tensor:
+    return t
+
+
+@dataclass
+class VocabShard:
+    """The vocabulary this rank's output rows cover, from `start`; `reduce(t, "max" | "sum")`
+    combines a per-token value over the ranks that hold the other rows (none: the whole)."""
+    start: int = 0
+    reduce: Callable[[torch.Tensor, str], torch.Tensor] = field(default=_whole)
+
+
+def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard):
+    """One chunk's logits (fp32), log-sum-exp, and loss per token (0 where ignored)."""
+    logits = F.linear(hidden, weight)
+    compute = logits.dtype
+    logits = logits.float()
+    local = labels - shard.start
+    own = (local >= 0) & (local < logits.shape[-1])
+    picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(-1)
+    picked = shard.reduce(torch.where(own, picked, 0.0), "sum")
+    peak = shard.reduce(logits.amax(-1), "max")
+    lse = peak + shard.reduce((logits - peak[:, None]).exp().sum(-1), "sum").log()
+    return logits, compute, lse, torch.where(labels != IGNORE, lse - picked, 0.0), own, local
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum(loss per token) / divisor, its gradients computed in forward chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int,
+                chunk: int, shard: VocabShard) -> torch.Tensor:
+        total = torch.zeros((), device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = None
+        for start in range(0, len(hidden), chunk):
+            h, y = hidden[start:start + chunk], labels[start:start + chunk]
+            logits, compute, lse, losses, own, local = _chunk_losses(h, weight, y, shard)
+            total += losses.sum()
+            # d loss / d logits = (softmax - one-hot) / divisor on the counted tokens, in place of the logits
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(-1, local.clamp(0, grad.shape[-1] - 1)[:, None], -own[:, None].to(grad.dtype))
+            grad.mul_((y != IGNORE)[:, None] / divisor)
+            grad = grad.to(compute)
+            grad_hidden[start:start + chunk] = grad @ weight
+            part = (grad.t() @ h).float()
+            grad_weight = part if grad_weight is None else grad_weight.add_(part)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+
+
+class OutputLoss(nn.Module):
+    """The model's loss from its final hidden states and output matrix (no parameter of its own:
+    the matrix is the output layer's, or the embedding's when tied). `chunk` tokens at a time; 0
+    means the model computes the whole logits instead (Transformer.forward)."""
+
+    def __init__(self, chunk: int = 256):
+        super().__init__()
+        self.chunk = chunk
+        self.shard = VocabShard()
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                divisor: torch.Tensor | int | None = None, per_token: bool = False) -> torch.Tensor:
+        """The mean loss over the counted labels (or the sum / `divisor`); `per_token`: each
+        token's loss, shaped as the labels (0 where ignored), without gradient."""
+        shape = labels.shape
+        hidden, labels = hidden.flatten(0, -2), labels.flatten()
+        if divisor is None:
+            divisor = (labels != IGNORE).sum()
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            if per_token:
+                raise ValueError("a loss per token is for evaluation: without gradient")
+            return LinearCrossEntropy.apply(hidden, weight, labels, divisor, self.chunk, self.shard)
+        losses = torch.cat([_chunk_losses(hidden[s:s + self.chunk], weight, labels[s:s + self.chunk], self.shard)[3]
+                            for s in range(0, len(hidden), self.chunk)])
+        return losses.view(shape) if per_token else losses.sum() / divisor
