@@ -88,10 +88,14 @@ def test_collective_pattern_per_mode(train_once):
     autocast = simple_fsdp_run(train_once, *AUTOCAST)[1]
     assert collectives(autocast, "forward") == {("all_gather_into_tensor", "float32"): N_PARAMS}
     # With TP the parameter gathers (bf16) and TP's activation collectives (bf16) share the
-    # forward; backward adds the fp32 gradient reduce-scatters over dp_shard.
+    # forward, beside the chunked loss's fp32 statistics over the vocabulary shards (three
+    # all-reduces of one value per token and chunk: one chunk, a rank's 128 tokens); backward adds
+    # the fp32 gradient reduce-scatters over dp_shard.
     tp = layout_run(train_once, "simple_fsdp_tp", BF16)[1]
-    assert {dtypes for _, dtypes in collectives(tp, "forward")} == {"bfloat16"}
-    assert collectives(tp, "forward")[("all_gather_into_tensor", "bfloat16")] >= N_PARAMS
+    forward = collectives(tp, "forward")
+    assert forward.pop(("all_reduce", "float32")) == 3
+    assert {dtypes for _, dtypes in forward} == {"bfloat16"}
+    assert forward[("all_gather_into_tensor", "bfloat16")] >= N_PARAMS
     assert collectives(tp, "backward")[("reduce_scatter_tensor", "float32")] == N_PARAMS
 
 

@@ -15,8 +15,9 @@ for its two matmuls. The output matrix's gradient is summed over chunks in fp32 
 matrix's dtype once, as one matmul over all tokens would round it.
 
 Under tensor parallelism the output matrix is split on the vocabulary: each rank computes its
-slice of every chunk's logits, and the softmax's max, its sum and the label's logit are reduced
-over the ranks (`VocabShard`, which plait/parallel/tensor_parallel.py sets).
+slice of every chunk's logits and its log-sum-exp; the ranks' log-sum-exps (by their max and the
+sum of their exponentials) and the label's logit are reduced over the ranks (`VocabShard`, which
+plait/parallel/tensor_parallel.py sets).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     own = (local >= 0) & (local < logits.shape[-1])
     picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(-1)
     picked = shard.reduce(torch.where(own, picked, 0.0), "sum")
-    peak = shard.reduce(logits.amax(-1), "max")
-    lse = peak + shard.reduce((logits - peak[:, None]).exp().sum(-1), "sum").log()
+    lse = torch.logsumexp(logits, -1)  # over this rank's vocabulary, then over the ranks' (exact for one)
+    peak = shard.reduce(lse, "max")
+    lse = peak + shard.reduce((lse - peak).exp(), "sum").log()
     return logits, compute, lse, torch.where(labels != IGNORE, lse - picked, 0.0), own, local
 
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 ATEN_KINDS = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm": "matmul", "_scaled_mm": "matmul",
               "_grouped_mm": "matmul",
-              "embedding": "embedding", "_log_softmax": "loss", "nll_loss_forward": "loss"}
+              "embedding": "embedding", "_log_softmax": "loss", "nll_loss_forward": "loss", "logsumexp": "loss"}
 ATTENTION_PREFIX = "_scaled_dot_product"
 
 
