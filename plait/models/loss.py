@@ -78,15 +78,20 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad.mul_((y != IGNORE)[:, None] / divisor)
             grad = grad.to(compute)
             grad_hidden[start:start + chunk] = grad @ weight
-            part = (grad.t() @ h).float()
-            grad_weight = part if grad_weight is None else grad_weight.add_(part)
+            if grad_weight is None:
+                grad_weight = (grad.t() @ h).float()
+            elif grad.dtype == h.dtype == torch.float32:
+                grad_weight.addmm_(grad.t(), h)  # in place: no [vocabulary, dim] temporary
+            else:
+                grad_weight += grad.t() @ h  # a product in the compute dtype, summed in fp32
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+        # Scaled in place: backward runs once, and a copy of the matrix's gradient would double it.
+        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None
 
 
 class OutputLoss(nn.Module):

@@ -358,8 +358,8 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * sum(sizes.values()) if e != 4 else 0
     logits = 0
     if holds_output(args, params) and t.loss_chunk:  # a chunk's in fp32 and its softmax's two temporaries, and
-        vocab = args.vocab_size // p.tp  # (not fp32) the fp32 sum of the output matrix's gradient
-        logits = min(t.loss_chunk, tokens // p.cp) * vocab * 12 + 4 * vocab * args.dim * (e != 4)
+        vocab = args.vocab_size // p.tp  # (not fp32) the fp32 sum of the output matrix's gradient and one term
+        logits = min(t.loss_chunk, tokens // p.cp) * vocab * 12 + (4 + e) * vocab * args.dim * (e != 4)
     elif holds_output(args, params):
         logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4)
     queries = t.seq_len // p.cp * ulysses_degree(cfg)

@@ -1,7 +1,7 @@
 """What the chunked loss saves, measured: `python -m plait.proof.loss_bench`.
 
 For each vocabulary x sequence length a Qwen3-shaped model (qwen3_0_6b's width and heads, cut to
-`--layers` blocks, the vocabulary as given) trains `--steps` steps of one sequence on one device,
+`--layers` blocks, the vocabulary as given, the output layer untied as in Qwen3 from 4B up) trains `--steps` steps of one sequence on one device,
 in fp32, once with the whole logits (training.loss_chunk 0) and once chunked (the default), each
 in a process of its own: tokens/s (AdamW steps, the median after the first), and the memory of
 one more forward and backward beside the weights, measured by torch's MemTracker (every tensor's
@@ -39,7 +39,7 @@ def job(vocab: int, seq_len: int, layers: int, chunk: int):
     cfg = check_options(parse_args(["--model.flavor", "qwen3_0_6b", "--model.n_layers", str(layers), "--training.seq_len",
                       str(seq_len), "--training.global_batch_size", "1", "--training.loss_chunk", str(chunk),
                       "--training.mixed_precision_param", "float32"]), 1)
-    return dataclasses.replace(FLAVORS["qwen3_0_6b"], n_layers=layers, vocab_size=vocab), cfg
+    return dataclasses.replace(FLAVORS["qwen3_0_6b"], n_layers=layers, vocab_size=vocab, tie_embeddings=False), cfg
 
 
 def predicted_step_bytes(vocab: int, seq_len: int, layers: int, chunk: int) -> int:
