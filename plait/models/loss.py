@@ -90,8 +90,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # Scaled in place: backward runs once, and a copy of the matrix's gradient would double it.
-        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None
+        # Not in place: the zero-bubble schedules run this backward twice (inputs', then weights').
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
 
 
 class OutputLoss(nn.Module):
