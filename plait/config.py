@@ -185,7 +185,7 @@ class Parallelism:
     sequence_parallel: bool = True
     """with tp > 1: split norms and the residual stream along the sequence between TP regions"""
     loss_parallel: bool = True
-    """with tp > 1: cross-entropy on vocabulary-sharded logits (full logits never gathered)"""
+    """with tp > 1 and training.loss_chunk 0: cross-entropy on vocabulary-sharded logits (the chunked loss always is)"""
     dp_backend: Literal["fsdp2", "ddp", "simple_fsdp"] = "fsdp2"
     """fsdp2: fully_shard on the (dp_replicate, dp_shard) mesh for every dp layout; ddp: classic DistributedDataParallel; simple_fsdp: DTensor parametrization"""
     reshard_after_forward: bool = True
