@@ -66,9 +66,10 @@ def test_the_chunked_loss_equals_the_whole_logits_loss_in_fp32(tie, chunk):
 
 
 def test_the_chunked_loss_under_autocast_is_the_whole_logits_loss_within_bf16():
-    """bf16 logits either way, upcast for the softmax: the same loss to within a few bf16
-    roundings of the logits' gradient (2^-8 relative each); the output matrix's gradient is summed
-    in fp32 over chunks where one bf16 matmul summed it whole."""
+    """bf16 logits either way, upcast for the softmax: the same loss (measured 1.8e-7), gradients
+    within a few bf16 roundings of the logits' gradient (2^-8 relative each; measured 3.2e-3 of a
+    tensor's largest entry): the output matrix's is summed in fp32 over chunks where one bf16
+    matmul summed it whole."""
     model, inputs, labels = model_and_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.zero_grad()

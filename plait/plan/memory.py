@@ -341,11 +341,22 @@ def loss_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
     return tokens * (e * args.dim + 4 * vocab) + 8
 
 
+def loss_workspace_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
+    """The loss's workspace: chunked, one chunk's logits in fp32 with the softmax's two temporaries
+    and, where the matrix is not fp32, the fp32 sum of its gradient and one chunk's term of it;
+    whole, the logits with their fp32 copy."""
+    t, p = cfg.training, cfg.parallelism
+    vocab = args.vocab_size // p.tp
+    if t.loss_chunk:
+        return min(t.loss_chunk, tokens) * vocab * 12 + (4 + e) * vocab * args.dim * (e != 4)
+    return tokens * args.vocab_size // p.tp * (e + 4)
+
+
 def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: int) -> int:
     """Workspace beside state and activations (an estimate): gathered parameters in the compute
     dtype (the root unit and two blocks, the one computing and the one prefetched, when FSDP
     shards; every parameter when it does not and compute is not fp32), one block's unsharded
-    fp32 gradients before their reduce-scatter, the logits with their fp32 copy (a chunk's: `loss_bytes`), and
+    fp32 gradients before their reduce-scatter, the loss's workspace (`loss_workspace_bytes`), and
     under a mask one query block's mask (boolean and in the compute dtype) over the whole sequence (over
     its window's keys, where only sliding blocks are masked), and MXFP8's copies of one matmul."""
     p, t = cfg.parallelism, cfg.training
@@ -356,12 +367,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * (sizes.get("root", 0) + sum(blocks[:2])) + 4 * (blocks[0] if blocks else 0)
     else:
         gathered = e * sum(sizes.values()) if e != 4 else 0
-    logits = 0
-    if holds_output(args, params) and t.loss_chunk:  # a chunk's in fp32 and its softmax's two temporaries, and
-        vocab = args.vocab_size // p.tp  # (not fp32) the fp32 sum of the output matrix's gradient and one term
-        logits = min(t.loss_chunk, tokens // p.cp) * vocab * 12 + (4 + e) * vocab * args.dim * (e != 4)
-    elif holds_output(args, params):
-        logits = tokens // p.cp * args.vocab_size // p.tp * (e + 4)
+    logits = loss_workspace_bytes(args, cfg, tokens // p.cp, e) if holds_output(args, params) else 0
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
     window = args.windows[-1]  # the widest
     full = masked(cfg, args.attention_sinks)  # some block masked over the whole sequence

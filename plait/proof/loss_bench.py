@@ -1,8 +1,8 @@
 """What the chunked loss saves, measured: `python -m plait.proof.loss_bench`.
 
 For each vocabulary x sequence length a Qwen3-shaped model (qwen3_0_6b's width and heads, cut to
-`--layers` blocks, the vocabulary as given, the output layer untied as in Qwen3 from 4B up) trains `--steps` steps of one sequence on one device,
-in fp32, once with the whole logits (training.loss_chunk 0) and once chunked (the default), each
+`--layers` blocks, the vocabulary as given, the output layer untied as in Qwen3 from 4B up) trains
+`--steps` steps of one sequence on one device, in fp32, once with the whole logits (training.loss_chunk 0) and once chunked (the default), each
 in a process of its own: tokens/s (AdamW steps, the median after the first), and the memory of
 one more forward and backward beside the weights, measured by torch's MemTracker (every tensor's
 storage from allocation to release, by kind, on any device) at its peak: what it saves for
