@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from plait.checkpoint.manifest import checkpoint_in
-from plait.config import ConfigError, JobConfig, dp_degree, job_tokenizer, start_folder
+from plait.config import ConfigError, JobConfig, dp_degree
 from plait.data.mixture import check_mix
 from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
@@ -21,6 +21,7 @@ from plait.parallel.expert_parallel import check_expert_options
 from plait.parallel.stages import check_pipeline, microbatches
 from plait.float8 import check_tokens
 from plait.precision import resolve
+from plait.start_folder import job_tokenizer, start_folder
 from plait.optim.schedule import check_schedule
 from plait.metrics.wandb_log import check_wandb
 
@@ -140,9 +141,20 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("lr", "max_norm", "weight_decay"):
         if not math.isfinite(getattr(t, name)):  # NaN passes every comparison below
             raise ConfigError(f"training.{name}: must be a finite number, got {getattr(t, name)}")
-    for name in ("moe_aux_loss_coef", "moe_sequence_aux_coef", "mtp_loss_weight", "moe_bias_rate"):
+    for name in ("moe_aux_loss_coef", "moe_sequence_aux_coef", "mtp_loss_weight", "moe_bias_rate", "z_loss"):
         if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
             raise ConfigError(f"training.{name}: must be a finite number >= 0, got {getattr(t, name)}")
+    if not (math.isfinite(t.spike_threshold) and t.spike_threshold > 0):
+        raise ConfigError(f"training.spike_threshold: must be a finite number > 0, got {t.spike_threshold}")
+    if t.spike_policy == "rollback" and not (cfg.checkpoint.folder and cfg.checkpoint.interval):
+        raise ConfigError("training.spike_policy: rollback reloads the last checkpoint; set checkpoint.folder and "
+                          "checkpoint.interval too (or use warn or skip)")
+    if t.spike_policy == "rollback" and cfg.fault_tolerance.enable:
+        raise ConfigError("training.spike_policy: rollback is not built for replica groups (fault_tolerance.enable); "
+                          "allowed there: warn, skip")
+    if t.z_loss and not t.loss_chunk and p.tp > 1 and p.loss_parallel:
+        raise ConfigError("training.z_loss: with loss_chunk 0 under tp > 1 the logits are vocabulary-sharded DTensors "
+                          "z-loss is not computed on; use the chunked loss (training.loss_chunk > 0, the default)")
     if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0 or t.loss_chunk < 0:
         raise ConfigError("training: lr must be > 0; warmup_steps, max_norm, threads and loss_chunk must be >= 0")
     dp = dp_degree(cfg)

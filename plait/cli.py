@@ -17,7 +17,7 @@ from plait.config import ConfigError, JobConfig
 from plait.launch import EXIT_CODES, die_with_parent, end_worker, launch_local
 
 USAGE = """usage: plait {train,recipes,tokenize,seed-checkpoint,export,generate,eval,bench,bench-context,compare,trace,plan,plot,doctor,
-             lighthouse} [options]
+             lighthouse,why-hung} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -35,6 +35,7 @@ subcommands:
   plot             loss, val_loss, lr, grad_norm, tokens/s of runs in a PNG: plait plot METRICS.jsonl [MORE.jsonl] --out run.png
   doctor           is this machine (cluster) fit to train: hardware, compute, corruption, network, a job, storage
   lighthouse       where fault-tolerant replica groups meet: plait lighthouse [--port 29510] [--min_replicas 1]
+  why-hung         which rank is behind, on which collective, from a job's dumps: plait why-hung FOLDER
 
 plait --version prints the installed version.
 """
@@ -229,6 +230,12 @@ def generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def why_hung(argv: list[str]) -> int:
+    from plait.why_hung import main as why_hung_main
+
+    return why_hung_main(argv)
+
+
 def evaluate(argv: list[str]) -> int:
     from plait.evals.command import main as eval_main
 
@@ -238,7 +245,7 @@ def evaluate(argv: list[str]) -> int:
 COMMANDS = {"train": train, "recipes": recipes, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
             "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context, "compare": compare,
             "trace": trace, "plan": plan, "plot": plot, "doctor": doctor,
-            "lighthouse": lighthouse}
+            "lighthouse": lighthouse, "why-hung": why_hung}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,6 +96,13 @@ class Training:
     """CPU threads per rank; 0 = cores / local ranks (results depend on it: pin it to compare runs)"""
     loss_chunk: int = 256
     """tokens per chunk of the output layer and loss: never the whole logits (plait/models/loss.py); 0 = whole"""
+    z_loss: float = 0.0
+    """weight of PaLM's z-loss (mean squared log-sum-exp of the logits; PaLM: 1e-4) added to the gradient; 0 = none"""
+    spike_policy: Literal["warn", "skip", "rollback"] = "warn"
+    """a loss or grad_norm spike: warn = a line and a metrics row; skip = also no update (schedule and data go on);
+    rollback = also the last checkpoint's weights and optimizer state back (the data since not seen again)"""
+    spike_threshold: float = 6.0
+    """a spike: over median + this x 1.4826 x the median deviation of the last 100 unspiked steps (after 20)"""
     host_memory: Literal["auto", "retain", "release"] = "auto"
     """retain: keep freed host memory in the process (glibc: no mmap, no trimming) instead of faulting the same
     activations in again every step; release: glibc's default; auto = retain on a CPU device (plait/host_memory.py)"""
@@ -368,24 +375,6 @@ def world_size() -> int:
 CHECKPOINT_MANIFEST = "plait.json"  # written last: a folder that has it is a complete plait checkpoint
 
 
-def start_folder(cfg: JobConfig) -> Path | None:
-    """checkpoint.load when it holds a model: a Hugging Face folder or a plait checkpoint (plait/job_model.py)."""
-    load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-    return load if load and any((load / name).is_file() for name in ("config.json", CHECKPOINT_MANIFEST)) else None
-
-
-def hf_folder(cfg: JobConfig) -> Path | None:
-    """checkpoint.load when it is a Hugging Face folder (its config.json gives the model)."""
-    return folder if (folder := start_folder(cfg)) and (folder / "config.json").is_file() else None
-
-
-def job_tokenizer(cfg: JobConfig) -> str:
-    """data.tokenizer, else the tokenizer.json of the folder checkpoint.load starts from (its
-    embeddings are that tokenizer's); empty: a BPE is trained on the corpus."""
-    own = folder / "tokenizer.json" if (folder := start_folder(cfg)) else None
-    return cfg.data.tokenizer or (str(own) if own and own.is_file() else "")
-
-
 def replica_groups(cfg: JobConfig) -> int:
     """Replica groups the global batch is split over: fault_tolerance.groups, or 1."""
     return cfg.fault_tolerance.groups if cfg.fault_tolerance.enable else 1
@@ -398,3 +387,9 @@ def dp_degree(cfg: JobConfig) -> int:
 
 def grad_accumulation_steps(cfg: JobConfig) -> int:
     return cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp_degree(cfg))
+
+
+def job_folder(cfg: JobConfig) -> Path:
+    """Where a run writes what it finds out about itself (plait/nonfinite.py, plait/collectives.py):
+    its checkpoint.folder, else the folder of its metrics.jsonl, else the one it runs in."""
+    return Path(cfg.checkpoint.folder or (Path(cfg.metrics.jsonl).parent if cfg.metrics.jsonl else "."))

@@ -36,8 +36,9 @@ class ExpertLoad:
             layer.aux_scale = coefficient * layer.sequence_ranks / (n_moe * forwards)
 
     @torch.no_grad()
-    def step(self) -> dict:
-        """Read (and reset) the step's counts from every rank; move sigmoid routers' biases."""
+    def step(self, move_biases: bool = True) -> dict:
+        """Read (and reset) the step's counts from every rank; move sigmoid routers' biases (not in
+        a step whose update is skipped)."""
         if not self.enabled:
             return {}
         device = self.layers[0].router.gate.weight.device if self.layers else torch.device("cpu")
@@ -53,7 +54,7 @@ class ExpertLoad:
         dist.all_reduce(loads, group=self.group)
         dist.all_reduce(aux, group=self.group)
         for layer, load in zip(self.layers, loads):
-            if layer.router.bias is not None:  # under the mean load: chosen more; over it: less
+            if layer.router.bias is not None and move_biases:  # under the mean load: chosen more; over it: less
                 layer.router.bias += self.bias_rate * torch.sign(load.float().mean() - load.float())
             layer.records.clear()
         big = torch.iinfo(torch.int64).max
@@ -67,26 +68,22 @@ class ExpertLoad:
                 "expert_load_min": int(extremes[0]), "expert_load_max": int(-extremes[1])}
 
 
-class FurtherTokens:
-    """Multi-token prediction's side: its loss's weight, each micro-batch's share (the model adds
-    it to the gradient: Transformer.predict_further), and per step its value `mtp_loss` (the mean
-    over micro-batches and data-parallel x cp ranks, each a mean over its own positions). Under a
-    pipeline `model` is the last stage's (None on the other ranks, which add nothing over
-    `pp_group` and log what the last stage measured)."""
+class RecordedLoss:
+    """A loss the model records at each training forward (0-d tensors in `records`; None: none
+    on this rank), per step as metric `name`: the mean over micro-batches and data-parallel x cp
+    ranks (each a mean over its own positions). Under a pipeline only the last stage records; the
+    other ranks add nothing over `pp_group` and log what it measured."""
 
-    def __init__(self, model: nn.Module | None, args: ModelArgs, forwards: int, weight: float, device: torch.device,
+    def __init__(self, name: str, records: list | None, enabled: bool, device: torch.device,
                  group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None):
-        model = getattr(model, "module", model)  # (classic DDP's wrapper)
-        self.model, self.device, self.group, self.pp_group = model, device, group, pp_group
-        self.enabled = args.mtp_layers > 0
-        if model is not None:
-            model.mtp_scale = weight / forwards
+        self.name, self.records, self.enabled = name, records, enabled
+        self.device, self.group, self.pp_group = device, group, pp_group
 
     @torch.no_grad()
     def step(self) -> dict:
         if not self.enabled:
             return {}
-        records = self.model.mtp_records if self.model is not None else []
+        records = self.records if self.records is not None else []
         total = torch.tensor([0.0, float(len(records))], device=self.device)
         if records:  # (under loss parallelism each a replicated DTensor)
             total[0] = torch.stack([r.full_tensor() if isinstance(r, DTensor) else r for r in records]).sum()
@@ -94,4 +91,25 @@ class FurtherTokens:
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
         records.clear()
-        return {"mtp_loss": total[0].item() / total[1].item()}
+        return {self.name: total[0].item() / total[1].item()}
+
+
+def further_tokens(model: nn.Module | None, args: ModelArgs, forwards: int, weight: float, device: torch.device,
+                   group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None) -> RecordedLoss:
+    """Multi-token prediction's side: its loss's weight, each micro-batch's share (the model adds
+    it to the gradient: Transformer.predict_further), and per step its value `mtp_loss`. Under a
+    pipeline `model` is the last stage's (None on the other ranks)."""
+    model = getattr(model, "module", model)  # (classic DDP's wrapper)
+    if model is not None:
+        model.mtp_scale = weight / forwards
+    return RecordedLoss("mtp_loss", model.mtp_records if model is not None else None, args.mtp_layers > 0, device,
+                        group, pp_group)
+
+
+def z_loss(model: nn.Module | None, coefficient: float, device: torch.device, group: dist.ProcessGroup,
+           pp_group: dist.ProcessGroup | None = None) -> RecordedLoss:
+    """z-loss's term per step (`z_loss`, with its coefficient: what it adds to the loss), from the
+    output layer's records (plait/models/loss.py). `model`: the last stage's under a pipeline."""
+    model = getattr(model, "module", model)
+    return RecordedLoss("z_loss", model.loss.z_records if model is not None else None, coefficient > 0, device,
+                        group, pp_group)

@@ -9,7 +9,8 @@ the hyper-parameters it uses and, in one line, which of them the user left at th
 from __future__ import annotations
 
 from plait.arguments import given_options
-from plait.config import JobConfig, hf_folder
+from plait.config import JobConfig
+from plait.start_folder import hf_folder
 
 # The options whose defaults were picked for the debug job; the others' (the schedule's shape,
 # weight decay, clipping, AdamW's betas) are the usual ones at any size.

@@ -1,7 +1,7 @@
 """The run's model, decided once from the options and what checkpoint.load names.
 
 A Hugging Face folder's config.json or a plait checkpoint's manifest is the model (its
-tokenizer.json the tokenizer: plait/config.py's job_tokenizer); without either, model.flavor's
+tokenizer.json the tokenizer: plait/start_folder.py's job_tokenizer); without either, model.flavor's
 shape with the tokenizer's vocabulary. Every check that needs the model (pipeline, TP, EP,
 float8, the checkpoint to load) reads this decision, so a checkpoint of a job that started from
 a Hugging Face folder is that model again, not the debug flavor.
@@ -13,8 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from plait.checkpoint.manifest import read_manifest, manifest_model
-from plait.config import ConfigError, JobConfig, job_tokenizer, start_folder
+from plait.config import ConfigError, JobConfig
 from plait.hf.config import describe_difference, is_hf_folder, model_args
+from plait.start_folder import job_tokenizer, start_folder
 from plait.models.flavors import ModelArgs
 from plait.models.flavors import model_args as flavor_args
 from plait.models.flavors import shrunk

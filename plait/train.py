@@ -7,7 +7,6 @@ process group exists, so bad input fails on every rank without a collective that
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import time
@@ -18,27 +17,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from plait import float8, hf, host_memory, parallel
+from plait import collectives, float8, hf, host_memory, parallel
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, job_identity,
                                       latest_complete)
 from plait.checks import check_options
-from plait.config import (ConfigError, JobConfig, dp_degree, grad_accumulation_steps, replica_groups, start_folder,
-                          world_size)
+from plait.config import ConfigError, JobConfig, dp_degree, job_folder, replica_groups, world_size
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, eval_steps_held, open_loss_sets
-from plait.expert_load import ExpertLoad, FurtherTokens
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.job_model import job_model
 from plait.metrics import summary
-from plait.metrics.logger import MetricsLogger, Utilisation, peak_memory_gib, state_memory_gib
+from plait.metrics.logger import MetricsLogger, Utilisation, peak_memory_gib
 from plait.metrics.wandb_log import wandb_sinks
 from plait.models.masking import attention_kernel
 from plait.models.transformer import flops_per_token, linear_weight_shapes
 from plait.optim import optimizers
-from plait.optim.clipping import clip_and_norm
 from plait.optim.schedule import factor
 from plait.parallel import BatchLayout
 from plait.parallel.expert_parallel import check_experts
@@ -50,11 +45,10 @@ from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
+from plait.stability import SpikeWatch
+from plait.start_folder import start_folder
 from plait.start_report import print_start_report
-
-
-class TrainingError(RuntimeError):
-    """The run cannot continue (a non-finite loss or gradient); weights were not updated."""
+from plait.step import TrainingError, TrainStep
 
 
 class CollectiveTimeout(TrainingError):
@@ -100,24 +94,6 @@ def set_threads(cfg: JobConfig) -> None:
 def build_optimizer(model: torch.nn.Module, cfg: JobConfig):
     optimizer = optimizers.build_optimizer(model, cfg)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor(cfg))
-
-
-def accumulate(model: torch.nn.Module, batches: list, contexts: TrainContexts, layout: BatchLayout) -> torch.Tensor:
-    """Forward and backward of every micro-batch, gradients scaled by 1/len(batches); returns
-    the sum of the micro-batch losses."""
-    loss_sum = torch.zeros((), device=batches[0][0].device)
-    for i, batch in enumerate(batches):
-        inputs, labels, attention = layout(*batch)
-        # Reduce gradients once per step, after the last micro-batch, not after each one.
-        # The context spans forward too: DDP decides in forward whether backward reduces.
-        with parallel.gradient_sync(model, i == len(batches) - 1):
-            with contexts.forward():
-                loss = model(inputs, labels=labels, **attention)
-            with contexts.backward():
-                (loss / len(batches)).backward()
-        # Under loss parallelism the loss is a replicated DTensor: every TP rank has it.
-        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
-    return loss_sum
 
 
 def save_probe(probe: DtypeProbe, path: str, every_rank: bool) -> None:
@@ -197,6 +173,7 @@ def run(cfg: JobConfig) -> list[dict]:
     host_memory.configure(cfg.training.host_memory, device)
     owned = not dist.is_initialized()  # `plait doctor` runs its job on the group it already has
     if owned:
+        collectives.record()  # (set up with the process group)
         init_distributed(cfg, device)
     peers_answer = True
     try:
@@ -241,7 +218,9 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     pipeline = Pipeline(args, mesh, cfg, precision, device, contexts) if pp else None
     model = pipeline.module if pipeline else parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
-    checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity, corpus.tokenizer)
+    spikes = SpikeWatch(t.spike_threshold)  # (its history is saved with each checkpoint)
+    checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity, corpus.tokenizer,
+                                {"spikes": spikes})
     done = checkpointer.restore()
     replicas = ReplicaGroups(cfg)
     replicas.start(model, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}, done,
@@ -256,8 +235,9 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     if rank == 0:
         print_start_report(cfg, args, mesh, replicas, loader, precision, pipeline, peak, shapes, device)
     preemption = Preemption(device)
+    recorder = collectives.Recorder(job_folder(cfg))  # (after preemption's handlers: SIGUSR1 is theirs too)
     train_step = TrainStep(cfg, args, model, pipeline, optimizer, scheduler, loader, layout, contexts, loss_mesh,
-                           replicas, checkpointer, preemption, device)
+                           replicas, checkpointer, preemption, spikes, device)
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
     rows = []
     float8.precompute_scales(model, cfg)  # (the first step's gathers; each step's after its update)
@@ -299,8 +279,12 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 raise preempted(signum, step, checkpointer.save_now(step))
         finished = True
     except RuntimeError as e:  # gloo and NCCL raise their timeouts as RuntimeError (DistBackendError)
-        raise as_timeout(e, step, cfg) from None
+        error = as_timeout(e, step, cfg)
+        if isinstance(error, CollectiveTimeout):
+            recorder.ask_all(f"rank {dist.get_rank()}: collective timeout at step {step}")
+        raise error from None
     finally:  # also when the run fails
+        recorder.close()
         close_run(cfg, preemption, replicas, checkpointer, logger, rows if finished else None, loader,
                   (startup_s, time.perf_counter() - started))
     return rows
@@ -319,64 +303,6 @@ def close_run(cfg: JobConfig, preemption: Preemption, replicas: ReplicaGroups, c
         logger.close()
 
 
-class TrainStep:
-    """One optimizer step: forward and backward of the step's batches, the loss averaged over every
-    rank and group, the gradients clipped, then (where the replica groups commit) the update."""
-
-    def __init__(self, cfg: JobConfig, args, model: torch.nn.Module, pipeline, optimizer, scheduler,
-                 loader: BatchLoader, layout: BatchLayout, contexts: TrainContexts, loss_mesh, replicas: ReplicaGroups,
-                 checkpointer: Checkpointer, preemption: Preemption, device: torch.device):
-        self.cfg, self.model, self.pipeline, self.optimizer, self.scheduler = cfg, model, pipeline, optimizer, scheduler
-        self.loader, self.layout, self.contexts, self.loss_mesh = loader, layout, contexts, loss_mesh
-        self.replicas, self.checkpointer, self.preemption, self.device = replicas, checkpointer, preemption, device
-        t, stages = cfg.training, pipeline.group if pipeline else None
-        forwards = microbatches(cfg) if pipeline else grad_accumulation_steps(cfg)
-        self.expert_load = ExpertLoad(model, args, forwards, t.moe_aux_loss_coef, t.moe_bias_rate,
-                                      loss_mesh.get_group(), stages, t.moe_sequence_aux_coef)
-        self.further = FurtherTokens(pipeline.predictor if pipeline else model, args, forwards, t.mtp_loss_weight,
-                                     device, loss_mesh.get_group(), stages)
-        self.state_gib = None  # AdamW's state, once it exists (after the first update)
-
-    def __call__(self, step: int) -> tuple[dict, dict] | None:
-        """The step's metrics (loss, grad_norm, lr) and its experts'; None where a replica group
-        failed during it (no update: the same batches come again)."""
-        position = self.loader.state_dict()
-        batches = [(inputs.to(self.device), labels.to(self.device)) for inputs, labels in self.loader.next_batches()]
-        loss_value = self.loss(batches)
-        self.preemption.agree()
-        pipeline = self.pipeline
-        grad_norm = clip_and_norm(self.model, self.cfg.training.max_norm,
-                                  *((pipeline.group, pipeline.counted_elsewhere) if pipeline else ()))
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            raise TrainingError(f"step {step}: loss {loss_value}, grad_norm {grad_norm} is not finite; "
-                                f"stopped before the optimizer step, weights are from step {step - 1}")
-        lr = self.scheduler.get_last_lr()[0]
-        if not self.replicas.commit():
-            self.optimizer.zero_grad(set_to_none=True)
-            self.loader.load_state_dict(position)
-            return None
-        with self.contexts.optimizer():
-            self.checkpointer.wait_for_staging()
-            self.optimizer.step()
-            float8.precompute_scales(self.model, self.cfg)
-            if self.state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
-                self.state_gib = state_memory_gib(self.model, self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return {"loss": loss_value, "grad_norm": grad_norm, "lr": lr}, self.expert_load.step() | self.further.step()
-
-    def loss(self, batches: list) -> float:
-        """Forward and backward of the step's batches; the loss, averaged over every rank and group."""
-        if self.pipeline:  # one local batch: accumulation is the pipeline's micro-batching
-            loss_sum = self.pipeline.step(*self.layout(*batches[0]))
-            dist.all_reduce(loss_sum, group=self.pipeline.group)  # from the last stage to every rank
-        else:
-            loss_sum = accumulate(self.model, batches, self.contexts, self.layout)
-        dist.all_reduce(loss_sum, group=self.loss_mesh.get_group())
-        self.replicas.average(loss_sum)
-        return loss_sum.item() / (grad_accumulation_steps(self.cfg) * self.loss_mesh.size())
-
-
 def preempted(signum: int, step: int, folder) -> Preempted:
     """The run stopped by a signal after `step`, and where it saved (`folder`; None: nowhere)."""
     return Preempted(f"{signal.Signals(signum).name} after step {step}: " + (
@@ -389,5 +315,6 @@ def as_timeout(error: RuntimeError, step: int, cfg: JobConfig) -> BaseException:
     if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
         return error
     return CollectiveTimeout(f"step {step}: {collective_of(error)} did not complete within comm.timeout_seconds="
-                             f"{cfg.comm.timeout_seconds}: a rank stopped answering (hung, or dead) "
+                             f"{cfg.comm.timeout_seconds}: a rank stopped answering (hung, or dead); every rank that "
+                             f"answers dumped its last collectives: `plait why-hung {job_folder(cfg)}` "
                              f"[{str(error).strip().splitlines()[0]}]")

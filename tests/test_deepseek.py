@@ -150,14 +150,14 @@ def test_the_balance_loss_coefficient_weighs_the_mean_over_every_moe_layer_the_m
     """training.moe_sequence_aux_coef c weighs the mean over MoE layers of their balance losses
     (config.py, docs/moe.md), and the MTP block's MoE is one of those layers (a block like the
     others: its routing is balanced as theirs; the logged aux_loss averages its records too), so
-    the scales the trainer sets (ExpertLoad, FurtherTokens) give the gradient of loss +
+    the scales the trainer sets (ExpertLoad, further_tokens) give the gradient of loss +
     mtp_loss_weight x MTP loss + c x mean over all L MoE layers, L = 2 on debug_mla (block 1 and
     the MTP block). Issue 60 item 12: ExpertLoad divided by the main blocks' MoE layers (1) only,
     so c weighed their sum: (L / (L - 1)) c. The reference forwards the same model with no scale
     set and adds c x the mean of each layer's loss from its own routing: equal to the bit (the same
     ops in the same order; each loss's gradient is c / L = 0.25 exactly on both sides), as is the
     logged mean."""
-    from plait.expert_load import ExpertLoad, FurtherTokens
+    from plait.expert_load import ExpertLoad, further_tokens
     from plait.models.moe import moe_layers
 
     torch.manual_seed(0)
@@ -168,7 +168,7 @@ def test_the_balance_loss_coefficient_weighs_the_mean_over_every_moe_layer_the_m
     labels = torch.randint(0, 320, (2, 24))
     further = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
     ExpertLoad(model, model.args, 1, 0.0, 0.0, None, None, sequence_coefficient=c)  # one forward per step
-    FurtherTokens(model, model.args, 1, weight, torch.device("cpu"), None)
+    further_tokens(model, model.args, 1, weight, torch.device("cpu"), None)
     model(tokens, next_tokens=(labels, further), labels=labels).backward()
     trained = {name: param.grad.clone() for name, param in model.named_parameters()}
     logged = [aux for layer in layers for _, aux in layer.records]

@@ -20,7 +20,8 @@ from conftest import ROOT, TINY, descendants
 pytestmark = pytest.mark.slow
 ENDLESS = ["--training.steps", "100000", "--metrics.log_interval", "1"]
 HANG = 600  # a hang guard, not a measure: how long a job that does nothing more is waited for
-HOLD = ROOT / "tests" / "hold"  # its sitecustomize.py holds a rank's step after a first Ctrl-C until a signal ends it
+# its sitecustomize.py, with PLAIT_HOLD, holds a rank's step after a first Ctrl-C until a signal ends it
+INJECT = ROOT / "tests" / "inject"
 # torchrun's agent waits for its workers as long as they take to stop (by default it sends SIGKILL
 # 30 s after the signal: a cluster's grace period, not what is tested here): only plait ends them.
 AGENT = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(100 * HANG)}
@@ -175,11 +176,12 @@ def test_a_sigkill_to_the_launcher_s_process_group_ends_the_whole_job(tmp_path):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_second_ctrl_c_stops_at_once(tmp_path, nproc):
     """Ctrl-C after step 2, then Ctrl-C again once the first one's notice is out, the step it
-    would finish held until then (tests/hold): nothing is saved, no line says the run was saved,
+    would finish held until then (tests/inject): nothing is saved, no line says the run was saved,
     no process is left when the job has returned; one process dies of the signal (exit -2: it
     ran no more Python), the launcher kills its job and returns 128 + 2."""
     folder = tmp_path / "ckpt"
-    job = Job(folder, nproc=nproc, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HOLD), os.environ.get("PYTHONPATH")]))})
+    path = os.pathsep.join(filter(None, [str(INJECT), os.environ.get("PYTHONPATH")]))
+    job = Job(folder, nproc=nproc, env={"PLAIT_HOLD": "1", "PYTHONPATH": path})
     try:
         job.wait_for("step     2")
         os.killpg(job.proc.pid, signal.SIGINT)

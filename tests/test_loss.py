@@ -116,3 +116,31 @@ def test_a_loss_per_token_is_refused_with_a_gradient():
     model, inputs, labels = model_and_batch()
     with pytest.raises(ValueError, match="without gradient"):
         model(inputs, labels=labels, per_token=True)
+
+
+@pytest.mark.parametrize("chunk", [0, 7, 10**6])
+def test_z_loss_adds_its_gradient_and_leaves_the_loss_value_as_it_was(chunk):
+    """z-loss (PaLM's z x mean lse^2; z 1e-2 here, 100x PaLM's, so its share of the gradient is
+    large enough to be seen): the gradient is autograd's of cross-entropy + z-loss from the whole
+    logits within the bound of the plain loss above (2e-6 of a tensor's largest entry); the value
+    returned is the cross-entropy alone, bitwise the value without z-loss; the recorded term is
+    the reference's within 1e-6 relative."""
+    z = 1e-2
+    model, inputs, labels = model_and_batch()
+    model.zero_grad()
+    logits = model(inputs).flatten(0, 1).float()
+    counted = labels.flatten() != -100
+    term = z * torch.logsumexp(logits, -1)[counted].square().mean()
+    (F.cross_entropy(logits, labels.flatten()) + term).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    without, plain = loss_and_grads(model, inputs, labels, chunk)
+    model.loss.z_loss = z
+    loss, grads = loss_and_grads(model, inputs, labels, chunk)
+    assert torch.equal(loss, without)
+    for name, grad in expected.items():
+        assert (grads[name] - grad).abs().max() <= 2e-6 * grad.abs().max(), name
+    assert any((grads[n] - plain[n]).abs().max() > 1e-3 * plain[n].abs().max() for n in plain)  # (it did something)
+    assert len(model.loss.z_records) == 1 and abs(model.loss.z_records[-1] / term - 1) <= 1e-6
+    with torch.no_grad():  # evaluation adds nothing and records nothing
+        model(inputs, labels=labels)
+    assert len(model.loss.z_records) == 1

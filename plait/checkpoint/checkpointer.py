@@ -94,9 +94,10 @@ class Checkpointer:
     """Saves every `checkpoint.interval` steps and at the last, and restores at start-up (see `restore`)."""
 
     def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader, identity: dict,
-                 tokenizer: Tokenizer):
+                 tokenizer: Tokenizer, extras: dict | None = None):
         self.cfg, self.args, self.identity, self.tokenizer = cfg, args, identity, tokenizer
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.extras = extras or {}  # more state of the run (state_dict / load_state_dict) kept in the manifest
         self.root = Path(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
         if self.root is not None and dist.get_rank() == 0:
             claim_folder(self.root, identity)  # start-up checked that no other job owns it
@@ -151,12 +152,28 @@ class Checkpointer:
         self.saved_step = manifest["step"]
         self.loader.load_state_dict(manifest["loader"])
         self.scheduler.load_state_dict(manifest["scheduler"])
+        for key, extra in self.extras.items():  # (absent from an older plait's checkpoint: as a new run)
+            extra.load_state_dict(manifest.get(key, {}))
         self._apply_hyperparameters(manifest.get("hyperparameters", {}))
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
         if dist.get_rank() == 0:
             print(f"plait: resumed from {folder} (step {manifest['step']}) in {time.perf_counter() - start:.2f}s",
                   flush=True)
         return manifest["step"]
+
+    def roll_back(self) -> Path | None:
+        """Load the newest complete checkpoint's weights and optimizer state, and nothing else: the
+        data position, the schedule and the RNG go on from where the run is (training.spike_policy
+        rollback: the steps since are undone, their data not seen again). None: no checkpoint yet."""
+        self._finish_pending(block=True)  # (a save in flight is the newest once complete)
+        choice = from_rank0(str(latest_complete(self.cfg.checkpoint.folder) or "") if dist.get_rank() == 0 else None)
+        if not choice:
+            return None
+        folder = Path(choice)
+        manifest = read_manifest(folder)
+        self._load(folder, manifest, with_optimizer=True, option="checkpoint.folder")
+        self._apply_hyperparameters(manifest.get("hyperparameters", {}))
+        return folder
 
     def _choose(self) -> tuple[str, dict | None, bool] | None:
         """Rank 0's choice of what start-up loads: (folder, its manifest, resume?), the newest
@@ -235,6 +252,7 @@ class Checkpointer:
         manifest = new_manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
                              hyperparameters={**resumable_options(self.cfg), "optimizer": self.cfg.optimizer.name},
                              scheduler=self.scheduler.state_dict(),
+                             **{key: extra.state_dict() for key, extra in self.extras.items()},
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()
         if not asynchronous:

@@ -69,6 +69,7 @@ class BatchLoader:
         self.first = dp_rank * self.share  # this rank's offset inside a step
         self.step = 0
         self.used = [0] * len(sources)  # sequences each source has given so far
+        self.read_from: list[tuple[int, int]] = []  # the last step's rows: (source, first token) each
 
     @property
     def num_sequences(self) -> list[int]:
@@ -90,16 +91,23 @@ class BatchLoader:
             index[mine] = self.used[s] + np.arange(mine.sum())
             self.used[s] += int(mine.sum())
         share = slice(self.first, self.first + self.share)
-        rows = [None] * self.share
+        rows, self.read_from = [None] * self.share, [(0, 0)] * self.share
         for s, (source, n) in enumerate(zip(self.sources, self.num_sequences)):
             for epoch in np.unique(index[share][source_of[share] == s] // n).tolist():
                 where = np.flatnonzero((source_of[share] == s) & (index[share] // n == epoch))
                 sequences = permute(index[share][where] % n, n, [self.seed, s, epoch])
                 for i, sequence in zip(where, sequences):
                     rows[i] = source.read(int(sequence) * self.seq_len, self.seq_len + 1)
+                    self.read_from[i] = (s, int(sequence) * self.seq_len)
         self.step += 1
         seqs = torch.from_numpy(np.stack(rows))
         return [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in seqs.split(self.micro_batch_size)]
+
+    def describe_row(self, row: int) -> str:
+        """Where row `row` of this rank's last step was read: its source and token range."""
+        source, first = self.read_from[row]
+        label = getattr(self.sources[source], "label", "the corpus")
+        return f"{label} tokens {first}-{first + self.seq_len}"
 
     def state_dict(self) -> dict:
         return {"step": self.step, "used": list(self.used), "seq_len": self.seq_len,

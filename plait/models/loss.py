@@ -18,6 +18,11 @@ Under tensor parallelism the output matrix is split on the vocabulary: each rank
 slice of every chunk's logits and its log-sum-exp; the ranks' log-sum-exps (by their max and the
 sum of their exponentials) and the label's logit are reduced over the ranks (`VocabShard`, which
 plait/parallel/tensor_parallel.py sets).
+
+z-loss (PaLM's; training.z_loss): z x the mean of log-sum-exp^2 over the counted tokens, which keeps
+the softmax's normaliser near 1 (logits from drifting up together). Its gradient joins the loss's
+(d z lse^2 / d logits = 2 z lse softmax); the value returned stays the cross-entropy, so a run's
+loss compares with a run's without it, and the term is recorded for its own metric (z_loss).
 """
 
 from __future__ import annotations
@@ -60,22 +65,27 @@ def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum(loss per token) / divisor, its gradients computed in forward chunk by chunk."""
+    """sum(loss per token) / divisor, and the z-loss term z x sum(lse^2) / divisor (no gradient of
+    its own: its gradient is joined to the loss's), the gradients computed in forward chunk by chunk."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int,
-                chunk: int, shard: VocabShard) -> torch.Tensor:
-        total = torch.zeros((), device=hidden.device)
+                chunk: int, shard: VocabShard, z: float) -> tuple[torch.Tensor, torch.Tensor]:
+        total, squares = torch.zeros((), device=hidden.device), torch.zeros((), device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None
         for start in range(0, len(hidden), chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
             logits, compute, lse, losses, own, local = _chunk_losses(h, weight, y, shard)
+            counted = y != IGNORE
             total += losses.sum()
-            # d loss / d logits = (softmax - one-hot) / divisor on the counted tokens, in place of the logits
+            # d loss / d logits = (softmax (1 + 2 z lse) - one-hot) / divisor on the counted tokens, in place of the logits
             grad = logits.sub_(lse[:, None]).exp_()
+            if z:
+                squares += torch.where(counted, lse.square(), 0.0).sum()
+                grad.mul_(1 + 2 * z * lse[:, None])
             grad.scatter_add_(-1, local.clamp(0, grad.shape[-1] - 1)[:, None], -own[:, None].to(grad.dtype))
-            grad.mul_((y != IGNORE)[:, None] / divisor)
+            grad.mul_(counted[:, None] / divisor)
             grad = grad.to(compute)
             grad_hidden[start:start + chunk] = grad @ weight
             if grad_weight is None:
@@ -85,29 +95,50 @@ class LinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_weight += grad.t() @ h  # a product in the compute dtype, summed in fp32
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total / divisor
+        z_term = z * squares / divisor
+        ctx.mark_non_differentiable(z_term)
+        return total / divisor, z_term
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_z: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         # Not in place: the zero-bubble schedules run this backward twice (inputs', then weights').
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
+
+
+def whole_logits_loss(logits: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int | None, z: float
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss from the whole logits (fp32, [tokens, vocabulary]), as OutputLoss.forward's, and
+    the z-loss term (None without z) joined to its gradient: loss + (term - term) is the loss's
+    value exactly, with the term's gradient."""
+    if divisor is None:
+        loss = F.cross_entropy(logits, labels)
+    else:
+        loss = F.cross_entropy(logits, labels, reduction="sum") / divisor
+    if not z:
+        return loss, None
+    counted = labels != IGNORE
+    squares = torch.where(counted, torch.logsumexp(logits, -1).square(), 0.0).sum()
+    term = z * squares / (counted.sum() if divisor is None else divisor)
+    return loss + (term - term.detach()), term.detach()
 
 
 class OutputLoss(nn.Module):
     """The model's loss from its final hidden states and output matrix (no parameter of its own:
     the matrix is the output layer's, or the embedding's when tied). `chunk` tokens at a time; 0
-    means the model computes the whole logits instead (Transformer.forward)."""
+    means the model computes the whole logits instead (Transformer.forward). `z_loss`: z-loss's
+    coefficient (0: none); each training forward's term is appended to `z_records`."""
 
     def __init__(self, chunk: int = 256):
         super().__init__()
-        self.chunk = chunk
+        self.chunk, self.z_loss, self.z_records = chunk, 0.0, []
         self.shard = VocabShard()
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                divisor: torch.Tensor | int | None = None, per_token: bool = False) -> torch.Tensor:
+                divisor: torch.Tensor | int | None = None, per_token: bool = False, z: bool = False) -> torch.Tensor:
         """The mean loss over the counted labels (or the sum / `divisor`); `per_token`: each
-        token's loss, shaped as the labels (0 where ignored), without gradient."""
+        token's loss, shaped as the labels (0 where ignored), without gradient. `z`: with a
+        gradient, z-loss's joins it (the next-token loss's, not multi-token prediction's)."""
         shape = labels.shape
         hidden, labels = hidden.flatten(0, -2), labels.flatten()
         if divisor is None:
@@ -115,7 +146,15 @@ class OutputLoss(nn.Module):
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             if per_token:
                 raise ValueError("a loss per token is for evaluation: without gradient")
-            return LinearCrossEntropy.apply(hidden, weight, labels, divisor, self.chunk, self.shard)
+            loss, term = LinearCrossEntropy.apply(hidden, weight, labels, divisor, self.chunk, self.shard,
+                                                  self.z_loss if z else 0.0)
+            if z and self.z_loss:
+                self.record(term)
+            return loss
         losses = torch.cat([_chunk_losses(hidden[s:s + self.chunk], weight, labels[s:s + self.chunk], self.shard)[3]
                             for s in range(0, len(hidden), self.chunk)])
         return losses.view(shape) if per_token else losses.sum() / divisor
+
+    def record(self, term: torch.Tensor) -> None:
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:  # (not in a recompute)
+            self.z_records.append(term)

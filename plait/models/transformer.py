@@ -18,7 +18,7 @@ from torch import nn
 from plait.models.attention import Attention, KVCache
 from plait.models.flavors import ModelArgs
 from plait.models.latent_attention import LatentAttention
-from plait.models.loss import OutputLoss
+from plait.models.loss import OutputLoss, whole_logits_loss
 from plait.models.mlp import FeedForward
 from plait.models.moe import EXPERT_BIASES, AuxLoss, MoE, in_backward, moe_layers
 from plait.models.norms import RMSNorm
@@ -135,21 +135,24 @@ class Transformer(nn.Module):
             cache.advance(tokens.shape[1])
         if self.output is None:
             return x
-        return self.output(self.norm(x)) if labels is None else self.loss_of(self.norm(x), labels, per_token=per_token)
+        return self.output(self.norm(x)) if labels is None else \
+            self.loss_of(self.norm(x), labels, per_token=per_token, z=True)
 
     def loss_of(self, hidden: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int | None = None,
-                per_token: bool = False) -> torch.Tensor:
+                per_token: bool = False, z: bool = False) -> torch.Tensor:
         """The loss of final hidden states (after the norm): the mean over the labels not -100,
-        or their sum / `divisor`. With a loss chunk, chunk by chunk (plait/models/loss.py); without
-        one, from the whole logits."""
+        or their sum / `divisor`; `z`: z-loss's gradient joined to it in training. With a loss
+        chunk, chunk by chunk (plait/models/loss.py); without one, from the whole logits."""
         if self.loss.chunk:
-            return self.loss(hidden, self.output.weight, labels, divisor, per_token)
+            return self.loss(hidden, self.output.weight, labels, divisor, per_token, z)
         logits = self.output(hidden).flatten(0, 1).float()
         if per_token:
             return F.cross_entropy(logits, labels.flatten(), reduction="none").view(labels.shape)
-        if divisor is None:
-            return F.cross_entropy(logits, labels.flatten())
-        return F.cross_entropy(logits, labels.flatten(), reduction="sum") / divisor
+        z_loss = self.loss.z_loss if z and torch.is_grad_enabled() else 0.0
+        loss, term = whole_logits_loss(logits, labels.flatten(), divisor, z_loss)
+        if term is not None:
+            self.loss.record(term)
+        return loss
 
     def predict_further(self, h: torch.Tensor, rope: torch.Tensor, mask, following: torch.Tensor,
                         targets: torch.Tensor) -> torch.Tensor:

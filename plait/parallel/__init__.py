@@ -45,7 +45,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     materialise and initialise what this rank owns."""
     backend = cfg.parallelism.dp_backend
     ac, n_blocks = cfg.activation_checkpoint, model.args.n_layers
-    model.loss.chunk = cfg.training.loss_chunk
+    model.loss.chunk, model.loss.z_loss = cfg.training.loss_chunk, cfg.training.z_loss
     if cfg.training.float8 != "none":  # first: the other plans wrap and shard the float8 layers
         float8.convert(model, cfg, precision.compute, device)
     if cfg.parallelism.cp > 1:  # start-up refuses cp with SimpleFSDP and classic DDP

@@ -67,7 +67,7 @@ class Stage(PipelineStage):
     (switching between `eval` and `step` makes it infer anew), the later stages on uninitialised
     inputs. Mixtures of experts record that pass's routing as any forward's (plait/models/moe.py): the
     step would count it in its expert loads and auxiliary loss, and move sigmoid routers' biases
-    by it. So what they recorded in a run before the stage's first chunk is dropped there: shape
+    by it (and z-loss's and MTP's terms would count it). So what they recorded in a run before the stage's first chunk is dropped there: shape
     inference is all a stage can run before it, whenever torch decides to run it. (Rather than a
     switch MoE.forward reads, which a compiled block guards on and would recompile for; shapes
     given to PipelineStage up front, which under TP are DTensor metadata torch infers best itself;
@@ -77,15 +77,16 @@ class Stage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.contexts = contexts
         self.experts = moe_layers(self.submod)
-        self.recorded_before_run: list[int] | None = None  # each MoE layer's records when a run began
+        # what forwards record (MoE layers' routing, multi-token prediction's and z-loss's terms)
+        self.recorded = [*(moe.records for moe in self.experts), self.submod.mtp_records, self.submod.loss.z_records]
+        self.recorded_before_run: list[int] | None = None  # each list's length when a run began
 
     def begin_run(self) -> None:
-        self.recorded_before_run = [len(moe.records) for moe in self.experts] + [len(self.submod.mtp_records)]
+        self.recorded_before_run = [len(records) for records in self.recorded]
 
     def forward_one_chunk(self, *args, **kwargs):
         if self.recorded_before_run is not None:  # the run's first chunk: anything since is shape inference's
-            for records, kept in zip([*(moe.records for moe in self.experts), self.submod.mtp_records],
-                                     self.recorded_before_run):
+            for records, kept in zip(self.recorded, self.recorded_before_run):
                 del records[kept:]
             self.recorded_before_run = None
         with self.contexts.forward():
@@ -158,7 +159,8 @@ class Pipeline:
             stages.append(Stage(parts[-1], index, len(ranges), device, group=self.group, contexts=contexts))
         self.module, self.stages = StageParts(parts), stages
         self.has_first, self.has_last = 0 in indices, len(ranges) - 1 in indices
-        self.predictor = parts[-1] if self.has_last and args.mtp_layers else None  # (multi-token prediction's)
+        self.last = parts[-1] if self.has_last else None  # (its loss's records: z-loss's, multi-token prediction's)
+        self.predictor = self.last if args.mtp_layers else None
         # Multi-token prediction's copy of the embedding on the last stage: its gradient summed
         # with the first stage's in each pair of ranks that hold them, the same in both after; the
         # gradient norm counts it once (`counted_elsewhere`: the copy's).

@@ -5,7 +5,8 @@ pp never import `torch.distributed.pipelining` (0.6 s at every start-up)."""
 
 from __future__ import annotations
 
-from plait.config import ConfigError, JobConfig, dp_degree, start_folder
+from plait.config import ConfigError, JobConfig, dp_degree
+from plait.start_folder import start_folder
 from plait.models.flavors import FLAVORS
 
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")

@@ -210,7 +210,7 @@ def plait_model(folder: Path):
 
     from plait import hf
     from plait.arguments import parse_args
-    from plait.config import job_tokenizer
+    from plait.start_folder import job_tokenizer
     from plait.job_model import job_model
     from plait.models.transformer import Transformer
     from plait.models.weights import fill_weights

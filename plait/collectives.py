@@ -1,0 +1,111 @@
+"""Each rank's last collectives, for a job that hangs: torch's flight recorder (a ring buffer of
+the last BUFFER collectives of every process group, with sequence number, op, sizes, dtypes,
+state and the Python stack that called it; NCCL and gloo both record in torch 2.13) switched on
+before the process group exists, and dumped into the job's folder (`collectives/rank-R.json`)
+
+- on a collective timeout, by each rank that timed out, which asks every other rank to (through
+  the job's store, which each rank's thread looks at every second) and waits for their dumps, and
+- on SIGUSR1 or SIGUSR2, by every rank that receives it, even one whose main thread is stuck in a
+  collective: Python's C-level signal handler writes the signal's number to a wakeup socket from
+  whichever thread the signal lands on, and a thread of ours reads it and dumps. (SIGUSR1 is
+  also preemption's: the run then saves and stops as before; SIGUSR2 only dumps.)
+
+`plait why-hung FOLDER` (plait/why_hung.py) reads the dumps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import select
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+BUFFER = 2000  # collectives kept per rank (an FSDP2 step of a large model calls a few hundred)
+DUMPED_ON = (signal.SIGUSR1, signal.SIGUSR2)
+ASKED, DUMPED = "plait/collectives/asked", "plait/collectives/dumped/"  # the store's keys
+POLL_S, ASK_S = 1.0, 30.0  # how often a rank looks whether it is asked; how long the asking rank waits
+
+
+def record() -> None:
+    """Before the process group exists (the recorder is set up with it); a user's size is kept."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER))
+
+
+def dump(folder: Path, why: str) -> Path | None:
+    """This rank's recorder, with its rank, host and why, as JSON in `folder`/collectives."""
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    try:
+        trace = pickle.loads(_dump_fr_trace(True, True, False))
+    except RuntimeError:  # (no process group, or a recorder of size 0)
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    path = folder / "collectives" / f"rank-{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    row = {"rank": rank, "host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+           "world_size": dist.get_world_size() if dist.is_initialized() else 1, "why": why, "time_ns": time.time_ns(),
+           "trace": trace}
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(row, default=str))
+    part.replace(path)  # (a reader never sees half a dump)
+    return path
+
+
+class Recorder:
+    """A thread that dumps this rank's collectives into `folder` when SIGUSR1 or SIGUSR2 arrives,
+    or when another rank asks (`ask_all`: a key in the job's store, looked at every POLL_S).
+    Created in the main thread (set_wakeup_fd); a signal gets a no-op Python handler where it has
+    none, so that it wakes the thread instead of ending the process."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.answered = folder, None
+        for sig in DUMPED_ON:
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):  # (SIGUSR1 is preemption's already)
+                signal.signal(sig, lambda signum, frame: None)
+        self.reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self.writer, self.previous = writer, signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self.thread = threading.Thread(target=self._run, name="plait-collectives", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            if select.select([self.reader], [], [], POLL_S)[0]:
+                data = self.reader.recv(64)
+                if not data:  # closed
+                    return
+                if names := [signal.Signals(b).name for b in data if b in DUMPED_ON]:
+                    dump(self.folder, f"signal {'/'.join(names)}")
+            elif self.store is not None:
+                with contextlib.suppress(Exception):  # (a store whose host has gone: nothing to answer)
+                    if self.store.check([ASKED]) and (why := self.store.get(ASKED).decode()) != self.answered:
+                        self.answered = why
+                        dump(self.folder, why)
+                        self.store.set(f"{DUMPED}{dist.get_rank()}", why)
+
+    def ask_all(self, why: str) -> None:
+        """Dump here and ask every rank to; wait (up to ASK_S) until each has."""
+        dump(self.folder, why)
+        if self.store is None:
+            return
+        self.answered = why
+        self.store.set(ASKED, why)
+        self.store.set(f"{DUMPED}{dist.get_rank()}", why)
+        with contextlib.suppress(Exception):  # (a rank that is dead never answers: its dump is missing)
+            self.store.wait([f"{DUMPED}{r}" for r in range(dist.get_world_size())], timedelta(seconds=ASK_S))
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self.previous)
+        self.writer.close()  # (the thread dumps what is pending, its recv returns b"" and it ends)
+        self.thread.join()
+        self.reader.close()

@@ -1,0 +1,135 @@
+"""Behaviour planted from outside plait in every process of a job: with this folder on PYTHONPATH,
+Python imports this file at start-up, and an environment variable says what to plant once the
+module it patches is imported (from wherever the job imports plait):
+
+PLAIT_HOLD=1 (tests/test_interrupts.py's second Ctrl-C): a rank that has taken a first Ctrl-C
+holds at the step's agreement on the signal (plait.preemption.Preemption.agree) until a signal
+ends it. Its step then cannot finish, nor be saved, before the test's second Ctrl-C, however long
+the test takes to send it on a busy machine (the test waits for the first one's notice).
+
+PLAIT_FAULT (tests/test_diagnostics.py), in the training step (plait.step):
+  spike:STEP      the loss of step STEP x 1000 (its gradient too): a batch the model finds absurd
+  nan:PARAM       one NaN in parameter PARAM (the first element of rank 0's shard) before step 1
+  nan_grad:MODULE the gradient that reaches MODULE's output in backward is NaN (forward stays finite)
+  usr2:STEP       every rank sends itself SIGUSR2 at the start of step STEP (as a person would the job)
+  stall:STEP      rank 1 stops at the start of step STEP for good: the others wait in its collective
+  inf_input       the embedding of the token at row 1, position 5 of step 1's first micro-batch is
+                  inf (an input the model cannot take; one process)
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import signal
+import sys
+import threading
+
+
+def hold(module) -> None:
+    agree = module.Preemption.agree
+
+    def holding(self) -> None:
+        while self.signum == signal.SIGINT:
+            signal.pause()  # (returns after any handler ran; SIGINT's default action ends the process)
+        agree(self)
+
+    module.Preemption.agree = holding
+
+
+FAULT = os.environ.get("PLAIT_FAULT", "")
+
+
+def plant(module) -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    kind, _, arg = FAULT.partition(":")
+    step_class = module.TrainStep
+    call, loss = step_class.__call__, step_class.loss
+
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def spiking(self, step):
+        self.fault_step = step
+        return call(self, step)
+
+    def spiked_loss(self, batches, watch=None):
+        if getattr(self, "fault_step", None) != int(arg):
+            return loss(self, batches, watch)
+        hook = self.model.register_forward_hook(lambda module, args, output: output * 1000)
+        try:
+            return loss(self, batches, watch)
+        finally:
+            hook.remove()
+
+    def nan_then_call(self, step):
+        if step == 1:
+            with torch.no_grad():
+                shard = local(dict(self.model.named_parameters())[arg])
+                if shard.numel() and torch.distributed.get_rank() == 0:
+                    shard.view(-1)[0] = float("nan")
+        return call(self, step)
+
+    def inf_input_loss(self, batches, watch=None):
+        if not getattr(self, "fault_planted", False):
+            self.fault_planted = True
+            with torch.no_grad():
+                self.model.tok_embeddings.weight[int(batches[0][0][1, 5])] = float("inf")
+        return loss(self, batches, watch)
+
+    def nan_grad_call(self, step):
+        if step == 1:
+            module = dict(self.model.named_modules())[arg]
+            module.register_full_backward_pre_hook(lambda module, grad: tuple(g * float("nan") for g in grad))
+        return call(self, step)
+
+    def stalling_call(self, step):
+        if step == int(arg) and torch.distributed.get_rank() == 1:
+            threading.Event().wait()  # (as a rank stuck in its data or a file system: no collective comes)
+        return call(self, step)
+
+    def signalling_call(self, step):
+        if step == int(arg):
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return call(self, step)
+
+    if kind == "spike":
+        step_class.__call__, step_class.loss = spiking, spiked_loss
+    elif kind == "nan":
+        step_class.__call__ = nan_then_call
+    elif kind == "nan_grad":
+        step_class.__call__ = nan_grad_call
+    elif kind == "usr2":
+        step_class.__call__ = signalling_call
+    elif kind == "stall":
+        step_class.__call__ = stalling_call
+    elif kind == "inf_input":
+        step_class.loss = inf_input_loss
+
+
+class Hook(importlib.abc.MetaPathFinder):
+    """Patches module `name` with `patch` once it is imported."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("PLAIT_HOLD"):
+    sys.meta_path.insert(0, Hook("plait.preemption", hold))
+if FAULT:
+    sys.meta_path.insert(0, Hook("plait.step", plant))
