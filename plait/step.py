@@ -91,25 +91,25 @@ class TrainStep:
             return None
         values = {"loss": loss_value, "grad_norm": grad_norm}
         over = self.spikes.judge(values)
-        policy = self.cfg.training.spike_policy if over else "warn"
+        policy = self.cfg.training.spike_policy if over else None
+        updates = policy in (None, "warn")
         with self.contexts.optimizer():
             self.checkpointer.wait_for_staging()
-            if policy == "warn":
+            if updates:
                 self.optimizer.step()
-            if self.state_gib is None and policy == "warn":  # once: AdamW's state exists now, and gradients
-                self.state_gib = state_memory_gib(self.model, self.optimizer)
+                if self.state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
+                    self.state_gib = state_memory_gib(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             rolled_back = self.checkpointer.roll_back() if policy == "rollback" else None
             float8.precompute_scales(self.model, self.cfg)
         if over and dist.get_rank() == 0:
             print(spike_line(step, over, values, policy, rolled_back), flush=True)
         self.scheduler.step()
-        updated = policy == "warn"
         spike = {f"{name}_spike_threshold": limit for name, limit in over.items()} | \
-            ({} if updated else {"skipped": 1}) | \
+            ({} if updates else {"skipped": 1}) | \
             ({"rolled_back_to": int(rolled_back.name.removeprefix("step-"))} if rolled_back else {})
         return ({**values, "lr": lr, **spike},
-                self.expert_load.step(move_biases=updated) | self.further.step() | self.z_loss.step())
+                self.expert_load.step(move_biases=updates) | self.further.step() | self.z_loss.step())
 
     def clip(self) -> float:
         pipeline = self.pipeline
