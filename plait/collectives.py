@@ -22,6 +22,7 @@ import pickle
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -67,13 +68,15 @@ class Recorder:
     none, so that it wakes the thread instead of ending the process."""
 
     def __init__(self, folder: Path):
-        self.folder, self.answered = folder, None
-        for sig in DUMPED_ON:
-            if signal.getsignal(sig) in (signal.SIG_DFL, None):  # (SIGUSR1 is preemption's already)
-                signal.signal(sig, lambda signum, frame: None)
-        self.reader, writer = socket.socketpair()
-        writer.setblocking(False)
-        self.writer, self.previous = writer, signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self.folder, self.answered, self.handlers = folder, None, {}
+        self.reader, self.writer = socket.socketpair()
+        self.writer.setblocking(False)
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():  # (signals are the main thread's to set)
+            for sig in DUMPED_ON:
+                if signal.getsignal(sig) in (signal.SIG_DFL, None):  # (SIGUSR1 is preemption's already)
+                    self.handlers[sig] = signal.signal(sig, lambda signum, frame: None)
+            self.previous = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self.thread = threading.Thread(target=self._run, name="plait-collectives", daemon=True)
         self.thread.start()
@@ -85,17 +88,24 @@ class Recorder:
                 if not data:  # closed
                     return
                 if names := [signal.Signals(b).name for b in data if b in DUMPED_ON]:
-                    dump(self.folder, f"signal {'/'.join(names)}")
+                    self._dump(f"signal {'/'.join(names)}")
             elif self.store is not None:
                 with contextlib.suppress(Exception):  # (a store whose host has gone: nothing to answer)
                     if self.store.check([ASKED]) and (why := self.store.get(ASKED).decode()) != self.answered:
                         self.answered = why
-                        dump(self.folder, why)
+                        self._dump(why)
                         self.store.set(f"{DUMPED}{dist.get_rank()}", why)
+
+    def _dump(self, why: str) -> None:
+        try:
+            dump(self.folder, why)
+        except OSError as e:  # (a full disk: said, and the run goes on)
+            print(f"plait: the collectives' dump ({why}) could not be written to {self.folder}: {e}", file=sys.stderr,
+                  flush=True)
 
     def ask_all(self, why: str) -> None:
         """Dump here and ask every rank to; wait (up to ASK_S) until each has."""
-        dump(self.folder, why)
+        self._dump(why)
         if self.store is None:
             return
         self.answered = why
@@ -105,7 +115,10 @@ class Recorder:
             self.store.wait([f"{DUMPED}{r}" for r in range(dist.get_world_size())], timedelta(seconds=ASK_S))
 
     def close(self) -> None:
-        signal.set_wakeup_fd(self.previous)
+        if self.previous is not None:
+            signal.set_wakeup_fd(self.previous)
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
         self.writer.close()  # (the thread dumps what is pending, its recv returns b"" and it ends)
         self.thread.join()
         self.reader.close()
