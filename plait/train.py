@@ -46,6 +46,7 @@ from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
 from plait.stability import SpikeWatch
+from plait.stragglers import SlowRanks
 from plait.start_folder import start_folder
 from plait.start_report import print_start_report
 from plait.step import TrainingError, TrainStep
@@ -236,6 +237,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
         print_start_report(cfg, args, mesh, replicas, loader, precision, pipeline, peak, shapes, device)
     preemption = Preemption(device)
     recorder = collectives.Recorder(job_folder(cfg))  # (after preemption's handlers: SIGUSR1 is theirs too)
+    slow_ranks = SlowRanks(cfg.metrics.log_interval, enabled=not pipeline)
     train_step = TrainStep(cfg, args, model, pipeline, optimizer, scheduler, loader, layout, contexts, loss_mesh,
                            replicas, checkpointer, preemption, spikes, device)
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
@@ -260,6 +262,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
             metrics, experts = trained
             evaluated = evaluation.run(step, model, pipeline, contexts, layout, groups, t.micro_batch_size,
                                        dp_mesh.get_local_rank(), dp_mesh.size(), device)
+            slowest = slow_ranks.check(step)
             if isinstance(probe, DtypeProbe):
                 save_probe(probe, cfg.debug.dtype_probe, every_rank=pipeline is not None)
             if device.type == "cuda":
@@ -271,7 +274,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 row = {"step": step, **metrics, "tokens_per_sec": tokens_per_sec,
                        "mfu": utilisation.mfu(step, tokens_per_sec), "memory_gib": peak_memory_gib(device),
                        "state_gib": train_step.state_gib, "step_time": elapsed,
-                       **({"replicas": taking_part} if cfg.fault_tolerance.enable else {}), **experts, **evaluated}
+                       **({"replicas": taking_part} if cfg.fault_tolerance.enable else {}), **experts, **evaluated,
+                       **slowest}
                 logger.log(row)
                 rows.append(row)
             checkpointer.maybe_save(step)

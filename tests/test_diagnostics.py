@@ -178,3 +178,28 @@ def test_ranks_that_called_different_collectives_are_shown_where_they_went_apart
              for r in (0, 1)}
     assert verdicts(dumps) == ["group 0/default_pg: the ranks went apart at collective #2: rank 0: #2 gloo:all_reduce "
                                "(4 Float) from step.py:20 f; rank 1: #2 gloo:all_reduce (4 Float) from step.py:21 f"]
+
+
+def test_a_slow_rank_is_named_within_two_log_intervals(tmp_path):
+    """Rank 1 sleeps 1 s at the start of every step (FSDP2, world 2, a log interval of 2 steps):
+    rank 0 waits for it in every collective, and at the second check (step 4) one line names rank
+    1 with its host and local rank; each check's row has the slowest rank and its margin. (A debug
+    step takes well under the sleep on any CPU here, so rank 1's compute is over rank 0's by far
+    more than the 25% margin.)"""
+    rows, proc = faulty(tmp_path, "slow:1", 2, "--training.steps", "6", "--metrics.log_interval", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    slow = [line for line in proc.stdout.splitlines() if " is slow: " in line]
+    assert len(slow) == 1 and re.match(r"plait: step 4: rank 1 \(host \S+, local rank 1\) is slow: ", slow[0]), slow
+    assert [(r["step"], r["slowest_rank"]) for r in rows if "slowest_rank" in r] == [(2, 1), (4, 1), (6, 1)]
+
+
+def test_waits_are_what_each_rank_spent_waiting_for_the_last_to_arrive():
+    """Three ranks, two collectives of one group and one of another that rank 2 is not in: each
+    waits (last arrival - its own) where it took part."""
+    from plait.stragglers import waits
+
+    s = 10**9
+    arrivals = [{("0/default_pg", 1): 0, ("0/default_pg", 2): 5 * s, ("1/dp", 1): 7 * s},
+                {("0/default_pg", 1): 1 * s, ("0/default_pg", 2): 5 * s, ("1/dp", 1): 9 * s},
+                {("0/default_pg", 1): 3 * s, ("0/default_pg", 2): 6 * s}]
+    assert waits(arrivals) == [3 + 1 + 2, 2 + 1 + 0, 0 + 0]

@@ -12,6 +12,7 @@ PLAIT_FAULT (tests/test_diagnostics.py), in the training step (plait.step):
   nan:PARAM       one NaN in parameter PARAM (the first element of rank 0's shard) before step 1
   nan_grad:MODULE the gradient that reaches MODULE's output in backward is NaN (forward stays finite)
   usr2:STEP       every rank sends itself SIGUSR2 at the start of step STEP (as a person would the job)
+  slow:SECONDS    rank 1 sleeps SECONDS at the start of every step (a slower rank: the others wait for it)
   stall:STEP      rank 1 stops at the start of step STEP for good: the others wait in its collective
   inf_input       the embedding of the token at row 1, position 5 of step 1's first micro-batch is
                   inf (an input the model cannot take; one process)
@@ -94,6 +95,11 @@ def plant(module) -> None:
             os.kill(os.getpid(), signal.SIGUSR2)
         return call(self, step)
 
+    def slow_call(self, step):
+        if torch.distributed.get_rank() == 1:
+            threading.Event().wait(float(arg))
+        return call(self, step)
+
     if kind == "spike":
         step_class.__call__, step_class.loss = spiking, spiked_loss
     elif kind == "nan":
@@ -102,6 +108,8 @@ def plant(module) -> None:
         step_class.__call__ = nan_grad_call
     elif kind == "usr2":
         step_class.__call__ = signalling_call
+    elif kind == "slow":
+        step_class.__call__ = slow_call
     elif kind == "stall":
         step_class.__call__ = stalling_call
     elif kind == "inf_input":
