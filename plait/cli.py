@@ -79,6 +79,8 @@ def _train(argv: list[str]) -> int:
     except (TrainingError, SaveFailed) as e:
         sys.stderr.write(f"plait: error: {e}\n")  # (one write: the ranks' lines do not interleave)
         sys.stderr.flush()
+        if then := getattr(e, "then", None):  # (a timeout: the other ranks' dumps, before this rank goes)
+            then()
         code = 1
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":

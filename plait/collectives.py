@@ -4,7 +4,8 @@ state and the Python stack that called it; NCCL and gloo both record in torch 2.
 before the process group exists, and dumped into the job's folder (`collectives/rank-R.json`)
 
 - on a collective timeout, by each rank that timed out, which asks every other rank to (through
-  the job's store, which each rank's thread looks at every second) and waits for their dumps, and
+  the job's store, which each rank's thread looks at every second) and, once its error line is out,
+  waits for their dumps before it exits (the store may live in it), and
 - on SIGUSR1 or SIGUSR2, by every rank that receives it, even one whose main thread is stuck in a
   collective: Python's C-level signal handler writes the signal's number to a wakeup socket from
   whichever thread the signal lands on, and a thread of ours reads it and dumps. (SIGUSR1 is
@@ -27,6 +28,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -103,16 +105,21 @@ class Recorder:
             print(f"plait: the collectives' dump ({why}) could not be written to {self.folder}: {e}", file=sys.stderr,
                   flush=True)
 
-    def ask_all(self, why: str) -> None:
-        """Dump here and ask every rank to; wait (up to ASK_S) until each has."""
+    def ask_all(self, why: str) -> Callable[[], None]:
+        """Dump here and ask every rank to; returns what waits (up to ASK_S) until each has, to be
+        called once the error is said (a rank that is dead or stopped never answers)."""
         self._dump(why)
         if self.store is None:
-            return
+            return lambda: None
         self.answered = why
         self.store.set(ASKED, why)
         self.store.set(f"{DUMPED}{dist.get_rank()}", why)
-        with contextlib.suppress(Exception):  # (a rank that is dead never answers: its dump is missing)
-            self.store.wait([f"{DUMPED}{r}" for r in range(dist.get_world_size())], timedelta(seconds=ASK_S))
+        keys, store = [f"{DUMPED}{r}" for r in range(dist.get_world_size())], self.store
+
+        def wait() -> None:
+            with contextlib.suppress(Exception):  # (past ASK_S: the dumps that came are what there is)
+                store.wait(keys, timedelta(seconds=ASK_S))
+        return wait
 
     def close(self) -> None:
         if self.previous is not None:

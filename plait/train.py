@@ -53,7 +53,10 @@ from plait.step import TrainingError, TrainStep
 
 
 class CollectiveTimeout(TrainingError):
-    """A collective did not complete within comm.timeout_seconds: a peer is hung or dead."""
+    """A collective did not complete within comm.timeout_seconds: a peer is hung or dead. `then`:
+    what to do once the error is said (wait for the other ranks' dumps of their collectives)."""
+
+    then = None
 
 
 def init_distributed(cfg: JobConfig, device: torch.device) -> None:
@@ -285,7 +288,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     except RuntimeError as e:  # gloo and NCCL raise their timeouts as RuntimeError (DistBackendError)
         error = as_timeout(e, step, cfg)
         if isinstance(error, CollectiveTimeout):
-            recorder.ask_all(f"rank {dist.get_rank()}: collective timeout at step {step}")
+            error.then = recorder.ask_all(f"rank {dist.get_rank()}: collective timeout at step {step}")
         raise error from None
     finally:  # also when the run fails
         recorder.close()
