@@ -133,7 +133,8 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         rows = 0 if self.pipeline else len(batches[0][0])  # (a pipeline's micro-batches are its schedule's)
         findings = find_origin(self.model, lambda watch: self.loss(batches, watch), len(batches),
-                               rows or sum(len(b[0]) for b in batches), self.loader.describe_row)
+                               rows or sum(len(b[0]) for b in batches),
+                               lambda row: self.loader.describe_row(row, self.layout.eos))
         line, _ = report(step, findings, job_folder(self.cfg))
         if dist.get_rank() == 0:
             print(line, flush=True)

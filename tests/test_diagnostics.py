@@ -100,14 +100,14 @@ def test_a_nan_made_in_backward_is_traced_to_the_parameter_it_reached_first(tmp_
 
 def test_an_inf_input_is_traced_to_the_embedding_and_the_row_it_was_read_from(tmp_path):
     """The embedding of one token of row 1 made inf (one process): the line names the embedding
-    as the first non-finite output, the row, and the corpus tokens that row was read from; the
+    as the first non-finite output, the row, and the shard, tokens and documents that row was read from; the
     report is beside metrics.jsonl where there is no checkpoint.folder."""
     _, proc = faulty(tmp_path, "inf_input", 1, "--training.steps", "2")
     assert proc.returncode != 0
     line = next(line for line in proc.stdout.splitlines() if "the first non-finite value" in line)
     rows = re.search(r"the output of tok_embeddings \(inf; rank 0, micro-batch 0, row ([\d, ]+) read from", line)
     assert rows and 1 in map(int, rows[1].split(", ")), line  # (and rows where the same token is)
-    assert "read from the bundled corpus tokens " in line
+    assert re.search(r" read from \S+ tokens \d+-\d+ \(documents \d+-\d+\)", line), line  # (a shard of the corpus)
     assert (tmp_path / "nonfinite-step-1.json").is_file()  # (no checkpoint.folder: beside metrics.jsonl)
 
 

@@ -231,6 +231,17 @@ class TokenizedFolder:
             start, count = start + take, count - take
         return np.concatenate(parts).astype(np.int64)
 
+    def locate(self, start: int, count: int, eos: int) -> str:
+        """Where tokens [start, start + count) are: the shard file, the offsets in it, and which of
+        its documents (counted by `eos`, from 0) they cover. Reads the shard up to there: for an
+        error's report, not for training."""
+        k = int(np.searchsorted(self.ends, start, side="right"))
+        offset = start - (int(self.ends[k]) - self.manifest["shards"][k]["tokens"])
+        tokens = self._shard(k)[:offset + count]
+        first = int(np.count_nonzero(tokens[:offset] == eos))
+        last = first + int(np.count_nonzero(tokens[offset:offset + count - 1] == eos))
+        return f"{self.path / self.manifest['shards'][k]['file']} tokens {offset}-{offset + count} (documents {first}-{last})"
+
     def _shard(self, k: int) -> np.ndarray:
         if k not in self._maps:
             self._maps[k] = np.memmap(self.path / self.manifest["shards"][k]["file"], dtype=self.dtype, mode="r")
