@@ -98,15 +98,17 @@ def report(step: int, findings: dict, folder: Path) -> tuple[str, Path]:
     gradient = next((f for f in gathered if f["gradient"]), None)
     if forward:
         at = forward["forward"]
+        rows = "row " + ", ".join(map(str, at["rows"])) if at["rows"] is not None else "rows"
         where = (f"the output of {at['module']} ({at['value']}; rank {forward['rank']}, micro-batch "
-                 f"{at['micro_batch']}, {'row ' + ', '.join(map(str, at['rows'])) if at['rows'] is not None else 'rows'}"
-                 f" read from {'; '.join(at['read'][:3])}{' ...' if len(at['read']) > 3 else ''})")
+                 f"{at['micro_batch']}, {rows} read from {'; '.join(at['read'][:3])}"
+                 f"{' ...' if len(at['read']) > 3 else ''})")
     else:
         where = "no module's output (forward ran finite again)"
     if not gradient:
         grads = "gradients: all finite on the re-run"
     elif forward:  # backward starts from a non-finite loss: every gradient it reaches follows from forward's
-        grads = f"gradients: non-finite from it ({gradient['nonfinite_gradients']} parameters on rank {gradient['rank']})"
+        grads = (f"gradients: non-finite from it ({gradient['nonfinite_gradients']} parameters on rank "
+                 f"{gradient['rank']})")
     else:
         grads = (f"gradients: backward made the first non-finite one at {gradient['gradient']} (rank "
                  f"{gradient['rank']}; {gradient['nonfinite_gradients']} parameters non-finite there)")

@@ -240,7 +240,8 @@ class TokenizedFolder:
         tokens = self._shard(k)[:offset + count]
         first = int(np.count_nonzero(tokens[:offset] == eos))
         last = first + int(np.count_nonzero(tokens[offset:offset + count - 1] == eos))
-        return f"{self.path / self.manifest['shards'][k]['file']} tokens {offset}-{offset + count} (documents {first}-{last})"
+        shard = self.path / self.manifest["shards"][k]["file"]
+        return f"{shard} tokens {offset}-{offset + count} (documents {first}-{last})"
 
     def _shard(self, k: int) -> np.ndarray:
         if k not in self._maps:

@@ -79,7 +79,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits, compute, lse, losses, own, local = _chunk_losses(h, weight, y, shard)
             counted = y != IGNORE
             total += losses.sum()
-            # d loss / d logits = (softmax (1 + 2 z lse) - one-hot) / divisor on the counted tokens, in place of the logits
+            # d loss / d logits = (softmax (1 + 2 z lse) - one-hot) / divisor on the counted tokens,
+            # computed in place of the logits
             grad = logits.sub_(lse[:, None]).exp_()
             if z:
                 squares += torch.where(counted, lse.square(), 0.0).sum()
