@@ -4,9 +4,9 @@ checkpoint.folder, else the folder of its metrics.jsonl, else the one it ran in)
 
 Per process group, the ranks' collectives are lined up by their sequence number (every rank of a
 group numbers its collectives on it alike):
-1. the first number at which ranks called different collectives (another op, other sizes, or the
-   same op from another line of plait) is where they went apart: each side is named, with the
-   line that called it;
+1. the first number at which ranks called different collectives (another op, other sizes where
+   sizes must agree, or the same op from another line of plait) is where they went apart: each
+   side is named, with the line that called it;
 2. else, where a rank had been in its last collective for WAITED_S (or half the timeout) when it
    dumped, the rank(s) whose last collective is the lowest are behind, and the others wait in the
    next one, which is named. Otherwise no rank is behind: ranks a collective or two apart are a
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from plait.config import ConfigError
 
+SAME_SIZES = ("all_reduce", "allreduce", "broadcast", "all_gather", "allgather", "reduce_scatter")
 WAITED_S = 10.0  # a rank in one collective this long (or half its timeout) waits for a rank behind
 
 
@@ -68,7 +69,11 @@ def groups(dumps: dict[int, dict]) -> dict[str, dict[int, dict[int, dict]]]:
 
 
 def key(entry: dict) -> tuple:
-    return entry["profiling_name"], json.dumps(entry.get("input_sizes")), caller(entry)
+    """What every rank's call of one collective has alike: the op and the line that called it, and
+    the sizes where they must agree (not a gather's root and leaves, nor all-to-all's splits)."""
+    name = entry["profiling_name"]
+    alike = any(op in name for op in SAME_SIZES)
+    return name, json.dumps(entry.get("input_sizes")) if alike else None, caller(entry)
 
 
 def verdicts(dumps: dict[int, dict]) -> list[str]:
@@ -98,7 +103,8 @@ def verdicts(dumps: dict[int, dict]) -> list[str]:
         lines.append(f"group {group}: rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} "
                      f"({', '.join(dumps[r]['host'] for r in behind)}) behind: last collective "
                      f"{describe(ranks[behind[0]][low])}; ranks {sorted(waited)} wait in "
-                     f"{describe(ranks[ahead][low + 1])} ({max(waited.values()):.0f} s at their dumps)")
+                     f"{describe(ranks[ahead].get(low + 1, ranks[ahead][last[ahead]]))} "
+                     f"({max(waited.values()):.0f} s at their dumps)")
     return lines
 
 

@@ -151,10 +151,11 @@ def test_a_stuck_rank_is_named_with_the_collective_the_others_wait_in(tmp_path):
 
 
 def test_a_healthy_run_dumped_on_a_signal_has_no_rank_behind(tmp_path):
-    """Every rank of a run that trains on (FSDP2, world 2) sends itself SIGUSR2 at step 2: each
-    dumps while training goes on, the run ends as usual, and `plait why-hung` says of every
-    group that no rank is behind (ranks caught a collective or two apart are a run in flight)."""
-    rows, proc = faulty(tmp_path, "usr2:2", 2, "--training.steps", "4")
+    """Every rank of a run that trains on (FSDP2, world 2, its slow-rank check's gather every
+    step) sends itself SIGUSR2 at step 3: each dumps while training goes on, the run ends as
+    usual, and `plait why-hung` says of every group that no rank is behind (ranks caught a
+    collective or two apart are a run in flight; a gather's root and leaves differ in sizes)."""
+    rows, proc = faulty(tmp_path, "usr2:3", 2, "--training.steps", "4", "--metrics.log_interval", "1")
     assert proc.returncode == 0 and len(rows) == 4, proc.stderr[-3000:]
     lines = why_hung(tmp_path)  # (no checkpoint.folder: beside metrics.jsonl)
     assert lines[0] == "plait: why-hung: 2 dumps (signal SIGUSR2)" and len(lines) > 1, lines
