@@ -26,7 +26,8 @@ from plait.proof.fuzz import Counterexample, Generator, refusal
 
 STEPS = 6
 TIMEOUT = 600  # seconds a tiny job of six steps may take on a loaded machine before it counts as hung
-TIMED = ("tokens_per_sec", "mfu", "memory_gib", "step_time", "eval_time", "state_gib")  # (differ run to run)
+TIMED = ("tokens_per_sec", "mfu", "memory_gib", "step_time", "eval_time", "state_gib", "slowest_rank",
+         "slowest_rank_margin")  # (differ run to run)
 LAYOUTS = {"fsdp2": ["--parallelism.dp_shard", "2"], "ddp": ["--parallelism.dp_replicate", "2"],
            "tp": ["--parallelism.tp", "2"], "pp": ["--parallelism.pp", "2"], "cp": ["--parallelism.cp", "2"],
            "ep": ["--parallelism.ep", "2"], "ulysses": ["--parallelism.cp", "2", "--parallelism.cp_kind", "ulysses"],
