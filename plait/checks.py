@@ -153,8 +153,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError("training.spike_policy: rollback is not built for replica groups (fault_tolerance.enable); "
                           "allowed there: warn, skip")
     if t.z_loss and not t.loss_chunk and p.tp > 1 and p.loss_parallel:
-        raise ConfigError("training.z_loss: with loss_chunk 0 under tp > 1 the logits are vocabulary-sharded DTensors "
-                          "z-loss is not computed on; use the chunked loss (training.loss_chunk > 0, the default)")
+        raise ConfigError("training.z_loss: not computed on the vocabulary-sharded logits of loss_chunk 0 under tp > 1 "
+                          "with loss_parallel; use the chunked loss (training.loss_chunk > 0, the default)")
     if t.warmup_steps < 0 or t.max_norm < 0 or t.lr <= 0 or t.threads < 0 or t.loss_chunk < 0:
         raise ConfigError("training: lr must be > 0; warmup_steps, max_norm, threads and loss_chunk must be >= 0")
     dp = dp_degree(cfg)

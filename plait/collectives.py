@@ -43,20 +43,26 @@ def record() -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER))
 
 
-def dump(folder: Path, why: str) -> Path | None:
-    """This rank's recorder, with its rank, host and why, as JSON in `folder`/collectives."""
+def trace(stacks: bool) -> dict | None:
+    """This rank's recorder: its collectives (with their Python stacks); None where it has none."""
     from torch._C._distributed_c10d import _dump_fr_trace
 
     try:
-        trace = pickle.loads(_dump_fr_trace(True, True, False))
+        return pickle.loads(_dump_fr_trace(True, stacks, False))
     except RuntimeError:  # (no process group, or a recorder of size 0)
+        return None
+
+
+def dump(folder: Path, why: str) -> Path | None:
+    """This rank's recorder, with its rank, host and why, as JSON in `folder`/collectives."""
+    if (recorded := trace(stacks=True)) is None:
         return None
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     path = folder / "collectives" / f"rank-{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     row = {"rank": rank, "host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
            "world_size": dist.get_world_size() if dist.is_initialized() else 1, "why": why, "time_ns": time.time_ns(),
-           "trace": trace}
+           "trace": recorded}
     part = path.with_suffix(".part")
     part.write_text(json.dumps(row, default=str))
     part.replace(path)  # (a reader never sees half a dump)

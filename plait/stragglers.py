@@ -18,24 +18,20 @@ Reading the recorder costs about 25 ms per 2,000 entries (no stacks), once per l
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import statistics
 import time
 
 import torch.distributed as dist
 
+from plait.collectives import trace
+
 MARGIN, MIN_S, TIMES = 0.25, 0.05, 2
 
 
 def arrivals(since_ns: int) -> dict[tuple[str, int], int]:
     """{(process group, sequence number): when this rank called it} for collectives since `since_ns`."""
-    from torch._C._distributed_c10d import _dump_fr_trace
-
-    try:
-        entries = pickle.loads(_dump_fr_trace(True, False, False)).get("entries", [])
-    except RuntimeError:  # (a recorder of size 0: TORCH_FR_BUFFER_SIZE=0)
-        return {}
+    entries = (trace(stacks=False) or {}).get("entries", [])
     return {("/".join(map(str, e["process_group"])), e["collective_seq_id"]): e["time_created_ns"]
             for e in entries if not e.get("is_p2p") and e["time_created_ns"] > since_ns}
 

@@ -111,19 +111,20 @@ def test_an_inf_input_is_traced_to_the_embedding_and_the_row_it_was_read_from(tm
     assert (tmp_path / "nonfinite-step-1.json").is_file()  # (no checkpoint.folder: beside metrics.jsonl)
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp"])
-def test_z_loss_trains_every_layout_as_the_single_device(train_once, layout):
+@pytest.mark.parametrize("layout, bound", [("tp", 1e-6), ("pp", 0.0)])
+def test_z_loss_trains_every_layout_as_the_single_device(train_once, layout, bound):
     """z-loss (1e-2, 100x PaLM's, so that it moves the weights) under TP (vocabulary-sharded
     log-sum-exps) and a pipeline (recorded on the last stage): the losses and z_loss of 6 steps
-    equal the single device's within the parity matrix's fp32 bound for TP, 1e-6 relative (each
-    row-wise matmul's reduction split in two); z-loss changed the losses."""
+    equal the single device's within the parity matrix's bounds, relative: TP's fp32 1e-6 (each
+    row-wise matmul's reduction split in two; measured 7.4e-8 loss, 2.0e-7 z_loss), the pipeline
+    bitwise (the same micro-batches in the same order); z-loss changed the losses."""
     z = ["--training.z_loss", "1e-2"]
     world, args = LAYOUTS[layout]
     reference, _ = train_once(1, *STEPS, *LAYOUTS["single"][1], *z)
     rows, _ = train_once(world, *STEPS, *args, *z)
     plain, _ = train_once(1, *STEPS, *LAYOUTS["single"][1])
     for name in ("loss", "z_loss"):
-        assert max(abs(a[name] / b[name] - 1) for a, b in zip(rows, reference)) <= 1e-6, name
+        assert max(abs(a[name] / b[name] - 1) for a, b in zip(rows, reference)) <= bound, name
     assert reference[0]["loss"] == plain[0]["loss"] and reference[-1]["loss"] != plain[-1]["loss"]
 
 

@@ -122,9 +122,10 @@ def test_a_loss_per_token_is_refused_with_a_gradient():
 def test_z_loss_adds_its_gradient_and_leaves_the_loss_value_as_it_was(chunk):
     """z-loss (PaLM's z x mean lse^2; z 1e-2 here, 100x PaLM's, so its share of the gradient is
     large enough to be seen): the gradient is autograd's of cross-entropy + z-loss from the whole
-    logits within the bound of the plain loss above (2e-6 of a tensor's largest entry); the value
+    logits within the bound of the plain loss above (2e-6 of a tensor's largest entry; measured
+    4.2e-7 chunked, 0 whole); the value
     returned is the cross-entropy alone, bitwise the value without z-loss; the recorded term is
-    the reference's within 1e-6 relative."""
+    the reference's within 1e-6 relative (measured 1.2e-7, one fp32 ulp)."""
     z = 1e-2
     model, inputs, labels = model_and_batch()
     model.zero_grad()

@@ -104,12 +104,10 @@ class BatchLoader:
         return [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in seqs.split(self.micro_batch_size)]
 
     def describe_row(self, row: int, eos: int) -> str:
-        """Where row `row` of this rank's last step was read: its source's file, token range and
-        documents (`eos` ends each), where the source can tell, else its token range."""
+        """Where row `row` of this rank's last step was read: its source's shard file, tokens and
+        documents (`eos` ends each)."""
         source, first = self.read_from[row]
-        if hasattr(self.sources[source], "locate"):
-            return self.sources[source].locate(first, self.seq_len + 1, eos)
-        return f"{getattr(self.sources[source], 'label', 'the corpus')} tokens {first}-{first + self.seq_len + 1}"
+        return self.sources[source].locate(first, self.seq_len + 1, eos)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "used": list(self.used), "seq_len": self.seq_len,

@@ -67,7 +67,8 @@ class Stage(PipelineStage):
     (switching between `eval` and `step` makes it infer anew), the later stages on uninitialised
     inputs. Mixtures of experts record that pass's routing as any forward's (plait/models/moe.py): the
     step would count it in its expert loads and auxiliary loss, and move sigmoid routers' biases
-    by it (and z-loss's and MTP's terms would count it). So what they recorded in a run before the stage's first chunk is dropped there: shape
+    by it (and z-loss's and MTP's terms would count it). So what they recorded in a run before the
+    stage's first chunk is dropped there: shape
     inference is all a stage can run before it, whenever torch decides to run it. (Rather than a
     switch MoE.forward reads, which a compiled block guards on and would recompile for; shapes
     given to PipelineStage up front, which under TP are DTensor metadata torch infers best itself;

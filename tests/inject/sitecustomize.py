@@ -100,20 +100,12 @@ def plant(module) -> None:
             threading.Event().wait(float(arg))
         return call(self, step)
 
-    if kind == "spike":
-        step_class.__call__, step_class.loss = spiking, spiked_loss
-    elif kind == "nan":
-        step_class.__call__ = nan_then_call
-    elif kind == "nan_grad":
-        step_class.__call__ = nan_grad_call
-    elif kind == "usr2":
-        step_class.__call__ = signalling_call
-    elif kind == "slow":
-        step_class.__call__ = slow_call
-    elif kind == "stall":
-        step_class.__call__ = stalling_call
-    elif kind == "inf_input":
-        step_class.loss = inf_input_loss
+    patches = {"spike": {"__call__": spiking, "loss": spiked_loss}, "nan": {"__call__": nan_then_call},
+               "nan_grad": {"__call__": nan_grad_call}, "usr2": {"__call__": signalling_call},
+               "slow": {"__call__": slow_call}, "stall": {"__call__": stalling_call},
+               "inf_input": {"loss": inf_input_loss}}
+    for name, patched in patches[kind].items():
+        setattr(step_class, name, patched)
 
 
 class Hook(importlib.abc.MetaPathFinder):
