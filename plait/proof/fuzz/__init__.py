@@ -13,10 +13,14 @@ once failed pinned; `python -m plait.proof.fuzz NAME --examples N --seed S` runs
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
+import shutil
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
@@ -24,6 +28,15 @@ from hypothesis import strategies as st
 
 class Counterexample(AssertionError):
     """A case that breaks the property; its message says how to reproduce it."""
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A folder for one process's cases, removed when the process exits: the references a
+    generator keeps for the whole run hold checkpoints (gigabytes over a CI run), and a machine
+    that runs the suite day after day must not fill its disk with them."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from plait.proof.fuzz import Counterexample, Generator
+from plait.proof.fuzz import Counterexample, scratch_folder, Generator
 
 SECONDS = 60  # a command reading one small file that runs longer is hanging
 HEADROOM = 4 << 30  # bytes of address space a command may add: a tiny model's files need far less
@@ -48,7 +48,7 @@ def template() -> Path:
     from plait.hf.weights import write_weights
     from plait.checkpoint.manifest import read_manifest, manifest_model
 
-    root = Path(tempfile.mkdtemp(prefix="plait-fuzz-files-"))
+    root = scratch_folder("plait-fuzz-files-")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         corpus = root / "corpus.jsonl"
         corpus.write_text("".join(json.dumps({"text": f"document {i}: plait trains models " * 4}) + "\n"

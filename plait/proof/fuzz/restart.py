@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from plait.proof.fuzz import Counterexample, Generator, refusal
+from plait.proof.fuzz import Counterexample, scratch_folder, Generator, refusal
 
 STEPS = 6
 TIMEOUT = 600  # seconds a tiny job of six steps may take on a loaded machine before it counts as hung
@@ -214,7 +214,7 @@ def check(job) -> str:
 
 @cache
 def scratch() -> Path:
-    return Path(tempfile.mkdtemp(prefix="plait-fuzz-restart-"))
+    return scratch_folder("plait-fuzz-restart-")
 
 
 # (in the drawn options; the files' paths once the case runs)

@@ -15,7 +15,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from plait.proof.fuzz import Counterexample, refusal
+from plait.proof.fuzz import Counterexample, scratch_folder, refusal
 from plait.proof.fuzz.restart import run as run_job
 from plait.proof.fuzz.restart import validation_text
 
@@ -167,4 +167,4 @@ def train_against_reference(world: int, argv: list[str]) -> str:
 
 @cache
 def scratch() -> Path:
-    return Path(tempfile.mkdtemp(prefix="plait-fuzz-options-"))
+    return scratch_folder("plait-fuzz-options-")
