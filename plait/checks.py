@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
+from plait import storage
 from plait.checkpoint.manifest import checkpoint_in
 from plait.config import ConfigError, JobConfig, dp_degree
 from plait.data.mixture import check_mix
@@ -84,7 +84,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     p, t = cfg.parallelism, cfg.training
     if cfg.checkpoint.load:  # a job folder means its newest checkpoint, whose model the run is (plait/job_model.py)
         launcher = "RANK" not in os.environ and world > 1  # (its ranks say it; once is enough)
-        cfg.checkpoint.load = str(checkpoint_in(Path(cfg.checkpoint.load), "checkpoint.load", say=not launcher))
+        load = storage.location(cfg.checkpoint.load, "checkpoint.load")
+        cfg.checkpoint.load = str(checkpoint_in(load, "checkpoint.load", say=not launcher))
     if cfg.model.flavor == "auto" and start_folder(cfg) is None:
         cfg.model.flavor = "debug"
     cfg.data.tokenizer = job_tokenizer(cfg)
@@ -173,7 +174,7 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
                           "(set it too)")
     for name in ("path", "tokenizer", "val_path"):
         value = getattr(cfg.data, name)
-        if value and not Path(value).exists():
+        if value and not storage.location(value, f"data.{name}").exists():
             raise ConfigError(f"data.{name}: {value!r} does not exist")
     if cfg.data.mix:
         if cfg.data.path:
@@ -202,8 +203,10 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError("checkpoint.interval and checkpoint.keep_latest_k: must be >= 0")
     if c.interval and not c.folder:
         raise ConfigError("checkpoint.interval: set checkpoint.folder too (where should checkpoints go?)")
-    if c.load and not Path(c.load).is_dir():
+    if c.load and not storage.location(c.load, "checkpoint.load").is_dir():
         raise ConfigError(f"checkpoint.load: {c.load!r} is not a folder")
+    for option, place in (("checkpoint.folder", c.folder), ("checkpoint.load", c.load), ("data.path", cfg.data.path)):
+        storage.check_reachable(place, option)
     prof = cfg.profiling
     if prof.steps < 1:
         raise ConfigError(f"profiling.steps: must be >= 1, got {prof.steps}")

@@ -9,7 +9,6 @@ import signal
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
-from pathlib import Path
 from typing import Literal
 
 from plait.arguments import parse, parse_args
@@ -186,8 +185,10 @@ def seed_checkpoint(argv: list[str]) -> int:
     cfg = parse_args(argv, "plait seed-checkpoint", SeedCheckpointConfig)
     if not cfg.out:
         raise ConfigError("out: plait seed-checkpoint needs --out DIR")
-    out = Path(cfg.out)
+    from plait import storage
     from plait.checkpoint.checkpointer import write_seed_checkpoint
+
+    out = storage.location(cfg.out, "out")
     from plait.data import build_tokenizer
     from plait.job_model import job_model
 
@@ -220,8 +221,12 @@ def export(argv: list[str]) -> int:
     opts = parse(ExportArgs, argv, "plait export")
     if opts.shard_mb < 1:
         raise ConfigError(f"shard_mb: must be >= 1, got {opts.shard_mb}")
-    wrote = export_checkpoint(Path(opts.checkpoint), Path(opts.out), getattr(torch, opts.dtype), opts.shard_mb << 20)
-    architecture = json.loads(Path(opts.out, "config.json").read_text())["architectures"][0]  # as transformers reads it
+    from plait import storage
+
+    out = storage.location(opts.out, "out")
+    wrote = export_checkpoint(storage.location(opts.checkpoint, "checkpoint"), out, getattr(torch, opts.dtype),
+                              opts.shard_mb << 20)
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]  # as transformers reads it
     print(f"plait: exported {opts.checkpoint} to {opts.out} as Hugging Face {architecture}, {opts.dtype}: {wrote}")
     return 0
 

@@ -391,5 +391,7 @@ def grad_accumulation_steps(cfg: JobConfig) -> int:
 
 def job_folder(cfg: JobConfig) -> Path:
     """Where a run writes what it finds out about itself (plait/nonfinite.py, plait/collectives.py):
-    its checkpoint.folder, else the folder of its metrics.jsonl, else the one it runs in."""
-    return Path(cfg.checkpoint.folder or (Path(cfg.metrics.jsonl).parent if cfg.metrics.jsonl else "."))
+    its checkpoint.folder (unless a URL's: they are written by torch and plait as local files), else the
+    folder of its metrics.jsonl, else the one it runs in."""
+    local = cfg.checkpoint.folder if "://" not in cfg.checkpoint.folder else ""
+    return Path(local or (Path(cfg.metrics.jsonl).parent if cfg.metrics.jsonl else "."))

@@ -20,6 +20,10 @@ def first_stray(folder: Path, names: Iterable, follow_links: bool = False) -> st
     for name in sorted(names, key=str):
         if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or Path(name).name != name:
             return f"{name!r}, which is not a file name inside the folder"
+        if not isinstance(folder, Path):  # under a URL (plait/storage.py): objects, no links or devices
+            if (folder / name).exists() and not (folder / name).is_file():
+                return f"{name!r}, which is not a plain file (a folder)"
+            continue
         try:
             mode = (os.stat if follow_links else os.lstat)(folder / name).st_mode
         except FileNotFoundError:

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from tokenizers import Tokenizer
 
-from plait import hf
+from plait import hf, storage
 from plait.arguments import parse
 from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, read_manifest
 from plait.checkpoint.checkpointer import load_full_state_dict
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     if opts.temperature < 0 or not 0 < opts.top_p <= 1 or opts.max_new_tokens < 1:
         raise ConfigError("temperature must be >= 0, top_p in (0, 1], max_new_tokens >= 1; got "
                           f"{opts.temperature}, {opts.top_p}, {opts.max_new_tokens}")
-    model, tokenizer = load(Path(opts.checkpoint))
+    model, tokenizer = load(storage.location(opts.checkpoint, "checkpoint"))
     model.to(getattr(torch, opts.dtype))
     eos = eos_id(tokenizer, "checkpoint")
     # An empty prompt (with a tokenizer that adds no start token) samples the model unconditionally:

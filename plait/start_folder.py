@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from plait import storage
 from plait.config import CHECKPOINT_MANIFEST, JobConfig
 
 
 def start_folder(cfg: JobConfig) -> Path | None:
     """checkpoint.load when it holds a model: a Hugging Face folder or a plait checkpoint (plait/job_model.py)."""
-    load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    load = storage.location(cfg.checkpoint.load, "checkpoint.load") if cfg.checkpoint.load else None
     return load if load and any((load / name).is_file() for name in ("config.json", CHECKPOINT_MANIFEST)) else None
 
 

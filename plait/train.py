@@ -13,12 +13,11 @@ import time
 import traceback
 from dataclasses import asdict
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from plait import collectives, float8, hf, host_memory, parallel
+from plait import collectives, float8, hf, host_memory, parallel, storage
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, job_identity,
                                       latest_complete)
@@ -121,7 +120,7 @@ def check_checkpoints(cfg: JobConfig, args, identity: dict) -> None:
         check_compatible(resume, args, "checkpoint.folder")
         check_optimizer_kept(resume, cfg)
     elif cfg.checkpoint.load:
-        folder = Path(cfg.checkpoint.load)  # (a job folder's newest checkpoint since check_options)
+        folder = storage.location(cfg.checkpoint.load)  # (a job folder's newest checkpoint since check_options)
         if hf.is_hf_folder(folder):
             hf.check(folder, args, "checkpoint.load")
         else:

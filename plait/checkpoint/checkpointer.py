@@ -5,7 +5,8 @@ own shards, and any other layout can read them back (DCP reshards on load) — p
 the manifest: model shape, step, data-loader and LR-schedule state, RNG state, and the sha256 of
 every file (`digests.py`). The manifest (`manifest.py`) is written last, atomically, by rank 0 once every
 rank's data is on disk, so a folder without one is never taken as complete: a crash mid-save can
-leave debris, never a checkpoint.
+leave debris, never a checkpoint. The folder may be a URL (s3://, gs://: plait/storage.py); an
+asynchronous save then uploads in the background, and a save whose upload fails is never complete.
 
 Nothing read here can run code: DCP's files are read through `safe_dcp.py`, everything
 else is JSON. Every decision that changes which collectives a rank runs (which checkpoint to
@@ -16,7 +17,6 @@ shared filesystem at different moments (NFS caches lookups), and must not act on
 from __future__ import annotations
 
 import base64
-import shutil
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from plait import float8, hf
+from plait import float8, hf, storage
 from plait.checkpoint import digests, safe_dcp
 from plait.checkpoint.digests import verify
 from plait.checkpoint.manifest import (RESUMABLE, STEP_FOLDER, claim_folder, latest_complete, new_manifest,
@@ -67,8 +67,8 @@ def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path, tokenizer:
     init_weights(model, cfg.training.seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
-    tokenizer.save(str(out / TOKENIZER))
+        dcp.save({"model": model.state_dict()}, storage_writer=safe_dcp.writer(out), no_dist=True)
+    (out / TOKENIZER).write_text(tokenizer.to_str(pretty=True))  # (as Tokenizer.save writes it)
     write_manifest(out, new_manifest(cfg, args, "seed", 0, digests=digests.collect(out, 0, 1, timeout=0)))
 
 
@@ -98,7 +98,7 @@ class Checkpointer:
         self.cfg, self.args, self.identity, self.tokenizer = cfg, args, identity, tokenizer
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.extras = extras or {}  # more state of the run (state_dict / load_state_dict) kept in the manifest
-        self.root = Path(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
+        self.root = storage.location(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
         if self.root is not None and dist.get_rank() == 0:
             claim_folder(self.root, identity)  # start-up checked that no other job owns it
         self.companions: dict[str, bytes] = {}  # rank 0: files of the start folder every checkpoint keeps
@@ -131,7 +131,7 @@ class Checkpointer:
         if choice is None:
             return 0
         folder, manifest, resume = choice
-        folder = Path(folder)
+        folder = storage.location(folder)
         if dist.get_rank() == 0:
             self.companions = hf_tokenizer.companions(folder, self.tokenizer)
         if not resume:
@@ -169,7 +169,7 @@ class Checkpointer:
         choice = from_rank0(str(latest_complete(self.cfg.checkpoint.folder) or "") if dist.get_rank() == 0 else None)
         if not choice:
             return None
-        folder = Path(choice)
+        folder = storage.location(choice)
         manifest = read_manifest(folder)
         self._load(folder, manifest, with_optimizer=True, option="checkpoint.folder")
         self._apply_hyperparameters(manifest.get("hyperparameters", {}))
@@ -185,7 +185,7 @@ class Checkpointer:
         load = self.cfg.checkpoint.load
         if not load:
             return None
-        return load, None if hf.is_hf_folder(Path(load)) else read_manifest(Path(load)), False
+        return load, None if hf.is_hf_folder(storage.location(load)) else read_manifest(storage.location(load)), False
 
     def _apply_hyperparameters(self, saved: dict) -> None:
         """Every hyper-parameter the optimizer steps with is this run's, on every rank: its
@@ -246,8 +246,8 @@ class Checkpointer:
         if from_rank0(dist.get_rank() == 0 and read_manifest(folder) is not None):
             return  # a complete checkpoint of this step exists: never overwrite a good one
         self.saved_step = step
-        if dist.get_rank() == 0 and folder.exists():
-            shutil.rmtree(folder)  # debris of a save that never completed
+        if dist.get_rank() == 0:
+            storage.remove_tree(folder)  # debris of a save that never completed
         dist.barrier()
         manifest = new_manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
                              hyperparameters={**resumable_options(self.cfg), "optimizer": self.cfg.optimizer.name},
@@ -257,13 +257,13 @@ class Checkpointer:
         start = time.perf_counter()
         if not asynchronous:
             try:
-                dcp.save(self._state(with_optimizer=True), checkpoint_id=str(folder))
+                dcp.save(self._state(with_optimizer=True), storage_writer=safe_dcp.writer(folder))
                 found = self._digests(None, folder)
             except (Exception, CheckpointException) as e:
                 raise self._save_failed(folder, e) from None
             self._complete(folder, manifest, found, start, time.perf_counter() - start)
         else:
-            response = dcp.async_save(self._state(with_optimizer=True), checkpoint_id=str(folder),
+            response = dcp.async_save(self._state(with_optimizer=True), storage_writer=safe_dcp.writer(folder),
                                       async_stager=self.stager, process_group=self.save_group)
             self.staging = response.staging_completion
             finished = self.hasher.submit(self._digests, response.upload_completion, folder)
@@ -276,7 +276,7 @@ class Checkpointer:
         if upload is not None:
             upload.result()
         if dist.get_rank() == 0:
-            self.tokenizer.save(str(folder / TOKENIZER))
+            (folder / TOKENIZER).write_text(self.tokenizer.to_str(pretty=True))  # (as Tokenizer.save writes it)
             hf_tokenizer.write_companions(self.companions, folder)
         return digests.collect(folder, dist.get_rank(), dist.get_world_size(), self.cfg.comm.timeout_seconds)
 
@@ -305,10 +305,11 @@ class Checkpointer:
         with torch.device("meta"):
             elements = sum(p.numel() for p in Transformer(self.args).parameters())
         needed = 12 * elements  # parameters and both AdamW moments, in fp32
-        free = shutil.disk_usage(self.root).free
+        free = storage.free_bytes(self.root)
+        room = f" and {self.root} has {free / 2**20:,.0f} MiB free" if free is not None else ""
         return SaveFailed(f"checkpoint: saving {folder} failed ({_cause(error)}); a checkpoint of this job needs about "
-                          f"{needed / 2**20:,.0f} MiB and {self.root} has {free / 2**20:,.0f} MiB free; the "
-                          f"unfinished folder has no manifest, the checkpoints before it are intact")
+                          f"{needed / 2**20:,.0f} MiB{room}; the unfinished folder has no manifest, the checkpoints "
+                          "before it are intact")
 
     def _complete(self, folder: Path, manifest: dict, found: dict | None, start: float, blocking: float) -> None:
         # Rank 0 has every rank's digests, so every rank's files are on disk (and DCP's metadata,
@@ -325,7 +326,7 @@ class Checkpointer:
                           if STEP_FOLDER.match(p.name) and read_manifest(p) is not None)
         if keep:
             for _, folder in complete[:-keep]:
-                shutil.rmtree(folder, ignore_errors=True)
+                storage.remove_tree(folder)
 
     def close(self) -> None:
         self._finish_pending(block=True)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from plait import file_names
+from plait import file_names, storage
 from plait.config import ConfigError
 
 SIDECAR = ".digests-{rank}.json"
@@ -25,7 +24,7 @@ RANK0_FILES = (".metadata", "tokenizer.json")  # DCP's metadata (the coordinator
 
 
 def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()  # releases the GIL: a background thread is cheap
 
 
@@ -39,9 +38,7 @@ def collect(folder: Path, rank: int, world: int, timeout: float) -> dict[str, st
     """Call on every rank once its part of a save is on disk. Returns, on rank 0, the digest of
     every file of the checkpoint once every rank has left its own (None on the others)."""
     own = {name: sha256(folder / name) for name in written_by(folder, rank)}
-    tmp = folder / f".{SIDECAR.format(rank=rank)}.tmp"
-    tmp.write_text(json.dumps(own))
-    os.replace(tmp, folder / SIDECAR.format(rank=rank))
+    storage.write_atomically(folder / SIDECAR.format(rank=rank), json.dumps(own))
     if rank != 0:
         return None
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from plait import file_names, jsonl
+from plait import file_names, jsonl, storage
 from plait.checkpoint import digests, safe_dcp
 from plait.checkpoint.digests import damaged
 from plait.config import CHECKPOINT_MANIFEST, ConfigError, JobConfig
@@ -48,16 +48,14 @@ def read_manifest(folder: Path) -> dict | None:
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / MANIFEST)  # atomic: the folder is complete from this instant on
+    storage.write_atomically(folder / MANIFEST, json.dumps(manifest, indent=1))  # complete from this instant on
 
 
 def latest_complete(root: str) -> Path | None:
-    """The newest step-N folder under `root` that has a manifest."""
-    if not root or not Path(root).is_dir():
+    """The newest step-N folder under `root` (a path or URL) that has a manifest."""
+    if not root or not (folder := storage.location(root)).is_dir():
         return None
-    steps = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := STEP_FOLDER.match(p.name))]
+    steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_FOLDER.match(p.name))]
     for _, folder in sorted(steps, reverse=True):
         if read_manifest(folder) is not None:
             return folder
@@ -209,9 +207,9 @@ def check_owner(root: str, identity: dict) -> None:
     """Refuse, with one line, a checkpoint.folder that another job owns: sharing one, two jobs
     would delete each other's saves in flight as debris, prune each other's checkpoints and
     resume from each other's."""
-    owner = jsonl.object_or_none(Path(root) / OWNER) if root else None
+    owner = jsonl.object_or_none(storage.location(root) / OWNER) if root else None
     if owner is not None:
-        owner = {**owner, "model_args": saved_model(owner, Path(root) / OWNER, "checkpoint.folder")}
+        owner = {**owner, "model_args": saved_model(owner, storage.location(root) / OWNER, "checkpoint.folder")}
     if owner is not None and owner != identity:
         differ = [f"{k} {owner.get(k)} vs {v}" for k, v in identity.items() if k != "model_args" and owner.get(k) != v]
         theirs, ours = owner.get("model_args") or {}, identity["model_args"]  # the model: each field that differs
@@ -224,9 +222,7 @@ def check_owner(root: str, identity: dict) -> None:
 def claim_folder(root: Path, identity: dict) -> None:
     if not (root / OWNER).exists():
         root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{OWNER}.tmp"
-        tmp.write_text(json.dumps(identity, indent=1))
-        os.replace(tmp, root / OWNER)
+        storage.write_atomically(root / OWNER, json.dumps(identity, indent=1))
 
 
 def new_manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) -> dict:

@@ -6,7 +6,8 @@ param-group entries) with `torch.load(weights_only=False)`: a crafted file in a 
 checkpoint folder runs any code it likes the moment it is read (the digests cannot help: they
 live in the same folder). Here the metadata is unpickled by an unpickler that builds only the
 classes DCP metadata is made of, and non-tensor values by torch's weights-only unpickler, which
-builds only tensors and plain Python values. Every DCP read plait does goes through this module.
+builds only tensors and plain Python values. Every DCP read plait does goes through this module,
+and every write: a folder under a URL (plait/storage.py) is read and written through fsspec.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -45,8 +47,8 @@ class MetadataUnpickler(pickle.Unpickler):
                                "(a crafted file would run code this way); refused, nothing from it was run")
 
 
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata comes through MetadataUnpickler."""
+class SafeMetadata:
+    """A DCP reader's metadata through MetadataUnpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
@@ -57,6 +59,14 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeReader(SafeMetadata, FileSystemReader):
+    """FileSystemReader whose metadata comes through MetadataUnpickler."""
+
+
+class SafeFsspecReader(SafeMetadata, FsspecReader):
+    """FsspecReader (a folder under a URL) whose metadata comes through MetadataUnpickler."""
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -76,10 +86,21 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def read_metadata(folder: Path) -> Metadata:
-    return SafeReader(str(folder)).read_metadata()
+def reader(folder) -> FileSystemReader:
+    return SafeReader(str(folder)) if isinstance(folder, Path) else \
+        SafeFsspecReader(str(folder), **folder.storage_options)
 
 
-def load(state: dict, folder: Path, **kwargs) -> None:
-    """`dcp.load(state, ...)` of `folder` in place, through SafeReader and SafePlanner."""
-    dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafePlanner(), **kwargs)
+def writer(folder) -> FileSystemWriter:
+    """DCP's writer of `folder`: a local path's, or fsspec's for a URL's (plait/storage.py)."""
+    return FileSystemWriter(str(folder)) if isinstance(folder, Path) else \
+        FsspecWriter(str(folder), **folder.storage_options)
+
+
+def read_metadata(folder) -> Metadata:
+    return reader(folder).read_metadata()
+
+
+def load(state: dict, folder, **kwargs) -> None:
+    """`dcp.load(state, ...)` of `folder` in place, through a safe reader and SafePlanner."""
+    dcp.load(state, storage_reader=reader(folder), planner=SafePlanner(), **kwargs)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from plait import storage
 from plait.config import ConfigError, Data
 from plait.data.mixture import RAW_NEEDS_TOKENIZER, mix_sources
 from plait.data.documents import fingerprint, load_texts
@@ -60,7 +61,7 @@ def _given_tokenizer(cfg: Data) -> Tokenizer | None:
     option = "data.mix" if cfg.mix else "data.path"
     for path, _ in _train_paths(cfg):
         if is_tokenized(path):
-            return load_tokenizer(str(Path(path) / TOKENIZER), option)
+            return load_tokenizer(str(storage.location(path, option) / TOKENIZER), option)
     if cfg.mix:
         raise ConfigError(RAW_NEEDS_TOKENIZER)
     return None

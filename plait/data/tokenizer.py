@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from plait import jsonl
+from plait import jsonl, storage
 from plait.cache import cache_dir, cached_file
 from plait.config import ConfigError, Data
 from plait.data.documents import fingerprint, load_texts
@@ -28,7 +28,7 @@ def sha256(tokenizer: Tokenizer) -> str:
 
 def read_tokenizer(path: str | Path, option: str) -> Tokenizer:
     """A tokenizer.json, or one line saying why it is none."""
-    text = jsonl.text(Path(path), option)
+    text = jsonl.text(storage.location(path, option), option)
     try:
         return Tokenizer.from_str(text)
     except (KeyboardInterrupt, SystemExit):

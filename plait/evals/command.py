@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from plait import storage
 from plait.arguments import parse
 from plait.config import ConfigError, Eval
 from plait.data import eos_id
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"batch_size must be >= 1 and max_length >= 0; got {opts.batch_size}, {opts.max_length}")
     if not opts.tasks:
         raise ConfigError("tasks: give at least one task (a .jsonl file or a bundled name: sample)")
-    model, tokenizer = load(Path(opts.checkpoint))
+    model, tokenizer = load(storage.location(opts.checkpoint, "checkpoint"))
     positions = model.args.max_seq_len  # its RoPE table's length: a longer window fails in the first long forward
     if opts.max_length > positions:
         raise ConfigError(f"max_length: {opts.max_length} is beyond the model's {positions} positions; allowed: "

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
 
+from plait import storage
 from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, read_manifest
 from plait.checkpoint.checkpointer import load_full_state_dict
 from plait.config import ConfigError
@@ -19,7 +21,17 @@ from plait.hf.weights import write_weights
 
 def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
     """Write `out` from the checkpoint `folder` (a job folder: its newest); returns what was written,
-    for the one line."""
+    for the one line. `out` under a URL is written here first and uploaded (safetensors and the
+    tokenizer write local files), config.json last: a folder without it is no Hugging Face folder."""
+    if not storage.is_remote(out):
+        return export_to_folder(folder, out, dtype, shard_bytes)
+    with tempfile.TemporaryDirectory(prefix="plait-export-") as staging:
+        wrote = export_to_folder(folder, Path(staging), dtype, shard_bytes)
+        storage.upload(Path(staging), out, last="config.json")
+    return wrote
+
+
+def export_to_folder(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
     folder = checkpoint_in(folder, "checkpoint")
     manifest = read_manifest(folder)
     if manifest is None:
