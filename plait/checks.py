@@ -13,6 +13,7 @@ from plait import storage
 from plait.checkpoint.manifest import checkpoint_in
 from plait.config import ConfigError, JobConfig, dp_degree
 from plait.data.mixture import check_mix
+from plait.data.shards import is_tokenized
 from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
 from plait.parallel.context_parallel import check_context_parallel
@@ -205,8 +206,12 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
         raise ConfigError("checkpoint.interval: set checkpoint.folder too (where should checkpoints go?)")
     if c.load and not storage.location(c.load, "checkpoint.load").is_dir():
         raise ConfigError(f"checkpoint.load: {c.load!r} is not a folder")
-    for option, place in (("checkpoint.folder", c.folder), ("checkpoint.load", c.load), ("data.path", cfg.data.path)):
+    for option, place in (("checkpoint.folder", c.folder), ("checkpoint.load", c.load), ("data.path", cfg.data.path),
+                          ("data.val_path", cfg.data.val_path)):
         storage.check_reachable(place, option)
+        if option.startswith("data") and storage.is_url(place) and not is_tokenized(place):
+            raise ConfigError(f"{option}: {place} is no tokenized folder; under a URL plait reads tokenized folders "
+                              f"(plait tokenize --data.path RAW --out {place}), raw text from a local path")
     prof = cfg.profiling
     if prof.steps < 1:
         raise ConfigError(f"profiling.steps: must be >= 1, got {prof.steps}")

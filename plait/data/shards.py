@@ -10,7 +10,8 @@ many processes tokenized them. A shard is renamed into place when complete and r
 unfinished tokenize, which a rerun finishes, never a corpus.
 
 Opening a folder reads the manifest and stats the shards; tokens are read only where a batch
-needs them, so start-up time and memory do not grow with the corpus.
+needs them, so start-up time and memory do not grow with the corpus. A folder under a URL
+(plait/storage.py) is read the same way, by ranged requests: no rank downloads a whole shard.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from plait import jsonl
+from plait import jsonl, storage
 from plait.config import ConfigError
 from plait.data.documents import fingerprint
 from plait.data.tokenizer import eos_id, sha256, text_encoder
@@ -45,7 +46,7 @@ SHARD = re.compile(r"shard-(\d{5})\.(bin|json)$")
 
 
 def is_tokenized(path: str | Path) -> bool:
-    p = Path(path)
+    p = storage.location(path)
     return p.is_dir() and ((p / MANIFEST).exists() or (p / PARTIAL).exists())
 
 
@@ -190,7 +191,7 @@ class TokenizedFolder:
     """The token stream of a tokenized folder: its shards end to end, memory-mapped on first use."""
 
     def __init__(self, path: str | Path, option: str = "data.path", label: str = ""):
-        self.path = Path(path)
+        self.path = storage.location(path, option)
         self.label = label or str(path)  # what errors call it: the user's raw-text path for a cache entry
         manifest = jsonl.object_or_none(self.path / MANIFEST)
         if manifest is None:
@@ -245,5 +246,19 @@ class TokenizedFolder:
 
     def _shard(self, k: int) -> np.ndarray:
         if k not in self._maps:
-            self._maps[k] = np.memmap(self.path / self.manifest["shards"][k]["file"], dtype=self.dtype, mode="r")
+            path = self.path / self.manifest["shards"][k]["file"]
+            self._maps[k] = RangedShard(path, self.dtype) if storage.is_remote(path) else \
+                np.memmap(path, dtype=self.dtype, mode="r")
         return self._maps[k]
+
+
+class RangedShard:
+    """A shard under a URL, sliced as a memory map is: each slice one ranged read of its bytes."""
+
+    def __init__(self, path, dtype: np.dtype):
+        self.path, self.dtype = path, dtype
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = self.path.fs.cat_file(self.path.path, start=(part.start or 0) * size, end=part.stop * size)
+        return np.frombuffer(data, dtype=self.dtype)

@@ -3,11 +3,14 @@
     plait tokenize --data.path corpus/ --out tokens/ [--data.tokenizer tokenizer.json] [--workers N]
     plait train --data.path tokens/
 
-An interrupted tokenize, run again with the same options, keeps the shards it finished.
+An interrupted tokenize, run again with the same options, keeps the shards it finished. An --out
+under a URL (s3://...: plait/storage.py) is written in the cache first, where a rerun finishes it,
+and uploaded shard by shard, its manifest last.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,11 +19,13 @@ from pathlib import Path
 import tyro
 from tqdm import tqdm
 
+from plait import storage
 from plait.arguments import parse
+from plait.cache import cache_dir
 from plait.config import ConfigError, Data
 from plait.data import build_tokenizer
 from plait.data.documents import iter_documents, source_bytes
-from plait.data.shards import is_tokenized, write_folder
+from plait.data.shards import MANIFEST, is_tokenized, write_folder
 
 
 # The data options tokenize takes: one raw source. Mixtures and validation sets are tokenized a
@@ -56,11 +61,18 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"data.path: {d.path} is already a tokenized folder")
     if opts.workers < 1 or opts.shard_mb <= 0:
         raise ConfigError(f"workers must be >= 1 and shard_mb > 0, got {opts.workers}, {opts.shard_mb}")
+    out = target = storage.location(opts.out, "out")
+    if storage.is_remote(target):
+        storage.check_reachable(opts.out, "out")
+        out = cache_dir() / f"upload-{hashlib.sha256(opts.out.encode()).hexdigest()[:16]}"
     tokenizer = build_tokenizer(d)
     start, kept = time.perf_counter(), []
     with tqdm(total=source_bytes(d.path, d.extensions) or None, unit="B", unit_scale=True, desc="tokenize", mininterval=1) as bar:
-        manifest = write_folder(iter_documents(d.path, d.text_field, d.extensions), tokenizer, Path(opts.out),
+        manifest = write_folder(iter_documents(d.path, d.text_field, d.extensions), tokenizer, out,
                                 d.path or "(bundled corpus)", opts.workers, int(opts.shard_mb * 1e6), bar, kept)
+    if out != target:
+        storage.upload(out, target, last=MANIFEST)
+        storage.remove_tree(out)
     seconds = time.perf_counter() - start
     folder = f"{manifest['documents']} documents, {manifest['tokens']} tokens ({manifest['dtype']}, " \
              f"{len(manifest['shards'])} shards)"
