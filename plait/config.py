@@ -300,7 +300,8 @@ class FaultTolerance:
 @dataclass
 class Checkpoint:
     folder: str = ""
-    """save training checkpoints here (step-N folders) and resume from the newest complete one"""
+    """save training checkpoints here (step-N folders; a path or a URL: s3://bucket/run) and resume from the newest
+    complete one"""
     interval: int = 0
     """save every N steps and at the last step; 0 = at the last step only (a signal that stops the run saves its
     step either way)"""
@@ -310,6 +311,8 @@ class Checkpoint:
     """async: stage the state in memory and write it while training goes on"""
     load: str = ""
     """initial weights when checkpoint.folder has nothing to resume: a seed or training checkpoint, or a Hugging Face Llama folder"""
+    on_error: Literal["stop", "continue"] = "stop"
+    """a save that fails (a full disk, a server down): stop the run, or say so and train on (the next save tries again)"""
 
 
 @dataclass

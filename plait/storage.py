@@ -17,6 +17,7 @@ Below everything else in plait but config.py's ConfigError.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -86,6 +87,24 @@ def check_reachable(place: str, option: str) -> None:
                           f"({first_line(e)})") from None
     except Exception as e:  # no credentials, no server, a malformed endpoint: each library has its own classes
         raise ConfigError(f"{option}: {place} is unreachable: {type(e).__name__}: {first_line(e)}") from None
+
+
+class Retries(logging.Handler):
+    """The requests this process's object-store clients retried (a 5xx, a connection reset): botocore
+    and s3fs retry with backoff on their own and say each retry at DEBUG, which this counts."""
+    LOGGERS = ("botocore.retryhandler", "botocore.retries.standard", "s3fs")
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.count = 0
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.DEBUG)
+            logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith(("Retry needed, action", "Retry needed, retrying", "Retryable error")):
+            self.count += 1
 
 
 def first_line(error: BaseException) -> str:

@@ -48,12 +48,12 @@ def plait_cache(tmp_path_factory):
 
 
 def run_plait(tmp_path: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 300,
-              metrics: Path | None = None, forked: bool = True):
+              metrics: Path | None = None, forked: bool = True, env: dict | None = None):
     """Run `plait train` with `args` (forked from the fork server: tests/forkserver.py, unless
-    `forked` is False); returns (per-step metric rows, completed process). The rows are read from
-    `metrics` if given, else from a new file of the run's own."""
+    `forked` is False; `env` added to the environment); returns (per-step metric rows, completed
+    process). The rows are read from `metrics` if given, else from a new file of the run's own."""
     metrics = metrics or tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*')))}.jsonl"
-    proc = launch(["train", *TINY, *args, "--metrics.jsonl", str(metrics)], nproc, timeout, forked=forked)
+    proc = launch(["train", *TINY, *args, "--metrics.jsonl", str(metrics)], nproc, timeout, forked=forked, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

@@ -99,6 +99,7 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.extras = extras or {}  # more state of the run (state_dict / load_state_dict) kept in the manifest
         self.root = storage.location(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
+        self.retries = storage.Retries() if self.root is not None and storage.is_remote(self.root) else None
         if self.root is not None and dist.get_rank() == 0:
             claim_folder(self.root, identity)  # start-up checked that no other job owns it
         self.companions: dict[str, bytes] = {}  # rank 0: files of the start folder every checkpoint keeps
@@ -225,11 +226,23 @@ class Checkpointer:
     def maybe_save(self, step: int) -> None:
         """Save every checkpoint.interval steps and at the last step; interval 0 saves the last
         step only (a checkpoint.folder given is a request for the trained model)."""
-        self._finish_pending(block=False)
         interval = self.cfg.checkpoint.interval
-        if self.root is None or (step != self.cfg.training.steps and (not interval or step % interval)):
-            return
-        self._save(step, asynchronous=self.stager is not None)
+        due = self.root is not None and (step == self.cfg.training.steps or (interval and not step % interval))
+        try:
+            self._finish_pending(block=False)
+            if due:
+                self._save(step, asynchronous=self.stager is not None)
+        except SaveFailed as e:
+            self._failed(e)
+
+    def _failed(self, error: SaveFailed) -> None:
+        """checkpoint.on_error: stop the run, or say why and train on (the next save tries again)."""
+        self.saved_step = None
+        if self.cfg.checkpoint.on_error == "stop":
+            raise error
+        if dist.get_rank() == 0:
+            print(f"plait: {error}; training goes on (checkpoint.on_error continue): the next save tries again",
+                  flush=True)
 
     def save_now(self, step: int) -> Path | None:
         """Save `step` synchronously, whatever the interval (preemption); None without checkpoint.folder."""
@@ -243,12 +256,12 @@ class Checkpointer:
         folder = self.root / f"step-{step}"
         if step == self.saved_step:
             return  # saved already (every rank knows: a signal on a checkpoint step, or the last)
-        if from_rank0(dist.get_rank() == 0 and read_manifest(folder) is not None):
+        verdict = from_rank0(self._prepare(folder) if dist.get_rank() == 0 else None)
+        if verdict == "complete":
             return  # a complete checkpoint of this step exists: never overwrite a good one
+        if verdict != "ready":  # (every rank fails alike: none waits in a collective for another)
+            raise self._save_failed(folder, RuntimeError(verdict))
         self.saved_step = step
-        if dist.get_rank() == 0:
-            storage.remove_tree(folder)  # debris of a save that never completed
-        dist.barrier()
         manifest = new_manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
                              hyperparameters={**resumable_options(self.cfg), "optimizer": self.cfg.optimizer.name},
                              scheduler=self.scheduler.state_dict(),
@@ -256,11 +269,16 @@ class Checkpointer:
                              rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         start = time.perf_counter()
         if not asynchronous:
+            found, error = None, None
             try:
                 dcp.save(self._state(with_optimizer=True), storage_writer=safe_dcp.writer(folder))
                 found = self._digests(None, folder)
             except (Exception, CheckpointException) as e:
-                raise self._save_failed(folder, e) from None
+                error = e
+            errors = [None] * dist.get_world_size()  # one rank's failure is every rank's
+            dist.all_gather_object(errors, _cause(error) if error else None)
+            if cause := next((e for e in errors if e), None):
+                raise self._save_failed(folder, error or RuntimeError(cause))
             self._complete(folder, manifest, found, start, time.perf_counter() - start)
         else:
             response = dcp.async_save(self._state(with_optimizer=True), storage_writer=safe_dcp.writer(folder),
@@ -268,6 +286,18 @@ class Checkpointer:
             self.staging = response.staging_completion
             finished = self.hasher.submit(self._digests, response.upload_completion, folder)
             self.pending = (finished, folder, manifest, start, time.perf_counter() - start)
+
+    @staticmethod
+    def _prepare(folder: Path) -> str:
+        """Rank 0's look at the folder a save is to write: complete already, or ready (debris of a
+        save that never completed removed), or why it could not look (a server gone)."""
+        try:
+            if read_manifest(folder) is not None:
+                return "complete"
+            storage.remove_tree(folder)
+            return "ready"
+        except Exception as e:
+            return _cause(e)
 
     def _digests(self, upload, folder: Path) -> dict[str, str] | None:
         """Once this rank's part of the save is on disk (`upload` done), hash it; on rank 0 wait
@@ -306,7 +336,8 @@ class Checkpointer:
             elements = sum(p.numel() for p in Transformer(self.args).parameters())
         needed = 12 * elements  # parameters and both AdamW moments, in fp32
         free = storage.free_bytes(self.root)
-        room = f" and {self.root} has {free / 2**20:,.0f} MiB free" if free is not None else ""
+        room = f" and {self.root} has {free / 2**20:,.0f} MiB free" if free is not None else \
+            f" (its requests were retried {self.retries.count} times)" if self.retries and self.retries.count else ""
         return SaveFailed(f"checkpoint: saving {folder} failed ({_cause(error)}); a checkpoint of this job needs about "
                           f"{needed / 2**20:,.0f} MiB{room}; the unfinished folder has no manifest, the checkpoints "
                           "before it are intact")
@@ -314,11 +345,17 @@ class Checkpointer:
     def _complete(self, folder: Path, manifest: dict, found: dict | None, start: float, blocking: float) -> None:
         # Rank 0 has every rank's digests, so every rank's files are on disk (and DCP's metadata,
         # which rank 0 writes last): only now is the manifest written.
+        retried = ""
+        if self.retries is not None and self.retries.count:  # (each rank's own requests: each says its own)
+            retried = f"; rank {dist.get_rank()}'s requests to {self.root} were retried {self.retries.count} times"
+            self.retries.count = 0
         if dist.get_rank() == 0:
             write_manifest(folder, {**manifest, "digests": found})
             self._prune()
             print(f"plait: checkpoint {folder} complete after {time.perf_counter() - start:.2f}s; training was "
-                  f"blocked {blocking:.2f}s", flush=True)
+                  f"blocked {blocking:.2f}s{retried}", flush=True)
+        elif retried:
+            print(f"plait: checkpoint {folder}{retried}", flush=True)
 
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_latest_k
@@ -329,7 +366,10 @@ class Checkpointer:
                 storage.remove_tree(folder)
 
     def close(self) -> None:
-        self._finish_pending(block=True)
+        try:
+            self._finish_pending(block=True)
+        except SaveFailed as e:
+            self._failed(e)
         if self.stager is not None:
             self.stager.close()
             self.hasher.shutdown()
