@@ -176,7 +176,8 @@ def test_a_hung_rank_ends_the_job_naming_the_collective_and_the_step(tmp_path):
     out, and the job ends at once."""
     timeout = 5
     command = [sys.executable, "-m", "plait", "train", "--nproc", "2", *TINY, "--training.steps", "1000",
-               "--comm.timeout_seconds", str(timeout), "--metrics.log_interval", "1"]
+               "--comm.timeout_seconds", str(timeout), "--metrics.log_interval", "1",
+               "--metrics.jsonl", str(tmp_path / "metrics.jsonl")]  # (its collectives' dumps go beside it)
     proc, out = start_until_step(command, 3)
     try:
         hung = rank_pid(proc, 1)
