@@ -207,7 +207,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if c.load and not storage.location(c.load, "checkpoint.load").is_dir():
         raise ConfigError(f"checkpoint.load: {c.load!r} is not a folder")
     for option, place in (("checkpoint.folder", c.folder), ("checkpoint.load", c.load), ("data.path", cfg.data.path),
-                          ("data.val_path", cfg.data.val_path)):
+                          ("data.val_path", cfg.data.val_path), ("metrics.jsonl", cfg.metrics.jsonl),
+                          ("metrics.plot", cfg.metrics.plot)):
         storage.check_reachable(place, option)
         if option.startswith("data") and storage.is_url(place) and not is_tokenized(place):
             raise ConfigError(f"{option}: {place} is no tokenized folder; under a URL plait reads tokenized folders "

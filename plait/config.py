@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 
@@ -390,11 +389,3 @@ def dp_degree(cfg: JobConfig) -> int:
 
 def grad_accumulation_steps(cfg: JobConfig) -> int:
     return cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp_degree(cfg))
-
-
-def job_folder(cfg: JobConfig) -> Path:
-    """Where a run writes what it finds out about itself (plait/nonfinite.py, plait/collectives.py):
-    its checkpoint.folder (unless a URL's: they are written by torch and plait as local files), else the
-    folder of its metrics.jsonl, else the one it runs in."""
-    local = cfg.checkpoint.folder if "://" not in cfg.checkpoint.folder else ""
-    return Path(local or (Path(cfg.metrics.jsonl).parent if cfg.metrics.jsonl else "."))

@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 
 from plait import float8, parallel
 from plait.checkpoint.checkpointer import Checkpointer
-from plait.config import JobConfig, grad_accumulation_steps, job_folder
+from plait.config import JobConfig, grad_accumulation_steps
+from plait.storage import job_folder
 from plait.data import BatchLoader
 from plait.expert_load import ExpertLoad, further_tokens, z_loss
 from plait.metrics.logger import state_memory_gib

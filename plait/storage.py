@@ -23,7 +23,7 @@ import re
 import shutil
 from pathlib import Path
 
-from plait.config import ConfigError
+from plait.config import ConfigError, JobConfig
 
 URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -139,6 +139,15 @@ def upload(local: Path, remote, last: str = "") -> None:
     files = sorted(p for p in local.rglob("*") if p.is_file())
     for path in sorted(files, key=lambda p: p.name == last):
         remote.fs.put_file(str(path), (remote / path.relative_to(local).as_posix()).path)
+
+
+def job_folder(cfg: JobConfig) -> Path:
+    """Where a run writes what it finds out about itself (plait/nonfinite.py, plait/collectives.py),
+    files torch and plait write as local files: its checkpoint.folder, else the folder of its
+    metrics.jsonl, else the one it runs in; a URL is passed over."""
+    if cfg.checkpoint.folder and not is_url(cfg.checkpoint.folder):
+        return Path(cfg.checkpoint.folder)
+    return Path(cfg.metrics.jsonl).parent if cfg.metrics.jsonl and not is_url(cfg.metrics.jsonl) else Path(".")
 
 
 def free_bytes(path) -> int | None:

@@ -22,7 +22,8 @@ from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, job_identity,
                                       latest_complete)
 from plait.checks import check_options
-from plait.config import ConfigError, JobConfig, dp_degree, job_folder, replica_groups, world_size
+from plait.config import ConfigError, JobConfig, dp_degree, replica_groups, world_size
+from plait.storage import job_folder
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
 from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, eval_steps_held, open_loss_sets
 from plait.hardware import linear_shapes, peak_flops, pick_device

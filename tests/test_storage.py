@@ -5,6 +5,7 @@ bitwise: the bytes stored are the same bytes, so the training that reads them ba
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -28,9 +29,13 @@ def store():
 
 @pytest.fixture
 def s3_env(store, monkeypatch):
+    import s3fs
+
     for key, value in store.env.items():
         monkeypatch.setenv(key, value)
-    return store
+    s3fs.S3FileSystem.clear_instance_cache()  # (each test's clients as a new process's: of its environment)
+    yield store
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def losses(rows: list[dict]) -> list[tuple]:
@@ -132,9 +137,36 @@ def test_a_url_that_cannot_serve_the_run_is_refused_in_one_line_at_start_up(s3_e
 
 
 def test_without_credentials_or_server_the_refusal_names_the_option(s3_env, monkeypatch):
-    import s3fs
-
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
-    s3fs.S3FileSystem.clear_instance_cache()  # (as a new process: no client of the working server)
     with pytest.raises(ConfigError, match=r"^checkpoint.folder: s3://plait/run is unreachable: "):
         validate(parse_args(["--checkpoint.folder", "s3://plait/run"]), world=1)
+
+
+def test_metrics_and_their_plot_under_a_url_keep_each_step_once_across_a_resume(s3_env, capsys):
+    """The JSONL is uploaded whole with each console line (an object store has no append) and at
+    the end, with its summary and plot; a run resumed from step 2 drops the rows after it."""
+    from plait.metrics import summary
+    from plait.metrics.logger import MetricsLogger
+
+    def row(step: int) -> dict:
+        return {"step": step, "loss": 5.0 - step / 10, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 100.0,
+                "step_time": 1.0, "mfu": None, "memory_gib": 0.1}
+
+    fs = s3_env.fs()
+    first = MetricsLogger("s3://plait/metrics/m.jsonl", "", 2, plot="s3://plait/metrics/loss.png", steps=4)
+    for step in (1, 2, 3):
+        first.log(row(step))
+        published = [json.loads(line)["step"] for line in fs.cat("plait/metrics/m.jsonl").decode().splitlines()]
+        assert published == ([1] if step == 1 else [1, 2])  # (uploaded at the lines of steps 1 and 2)
+    first.close()  # a run stopped after step 3: its rows are all there
+    assert [json.loads(line)["step"] for line in fs.cat("plait/metrics/m.jsonl").decode().splitlines()] == [1, 2, 3]
+    assert fs.cat("plait/metrics/loss.png").startswith(b"\x89PNG")
+
+    resumed = MetricsLogger("s3://plait/metrics/m.jsonl", "", 2, resumed_step=2, steps=4)
+    for step in (3, 4):
+        resumed.log(row(step))
+    loader = types.SimpleNamespace(global_batch_size=4, seq_len=64, step=4, sources=[], used=[], num_sequences=[])
+    resumed.finish(summary.build([row(3), row(4)], loader, 1.0, 3.0, None))
+    resumed.close()
+    assert [json.loads(line)["step"] for line in fs.cat("plait/metrics/m.jsonl").decode().splitlines()] == [1, 2, 3, 4]
+    assert json.loads(fs.cat("plait/metrics/m.summary.json"))["step"] == 4

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import resource
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from plait import storage
+from plait.cache import cache_dir
 from plait.hardware import Peak
 from plait.jsonl import lines as jsonl_lines
 from plait.metrics import summary as run_summary
@@ -71,21 +73,26 @@ class MetricsLogger:
 
     A resumed run first drops the JSONL rows and TensorBoard events after the step it resumed
     from (the steps a crash lost, which it trains again), so each step is there exactly once.
+    A JSONL (and plot) under a URL is written to a local copy in the cache and uploaded whole with
+    every console line and at the end (an object store has no append); an upload that fails is
+    said once per line and tried again at the next.
     """
 
     def __init__(self, jsonl: str, tensorboard: str, log_interval: int, resumed_step: int = 0, plot: str = "",
                  sinks: list = (), steps: int = 0):
         self.log_interval, self.plot = log_interval, plot
         self.sinks = list(sinks)  # more places rows go (plait.metrics.wandb_log.WandbRun): log, finish, close
-        self.jsonl = None
+        self.jsonl, self.remote = None, None
         if jsonl:
-            path = Path(jsonl)
+            path = storage.location(jsonl, "metrics.jsonl")
+            if storage.is_remote(path):
+                self.remote = path
+                path = cache_dir() / f"metrics-{hashlib.sha256(jsonl.encode()).hexdigest()[:16]}" / path.name
+            source = self.remote or path
             path.parent.mkdir(parents=True, exist_ok=True)
-            kept = [line for _, line in (jsonl_lines(path, "metrics.jsonl") if path.exists() else [])
+            kept = [line for _, line in (jsonl_lines(source, "metrics.jsonl") if source.exists() else [])
                     if json.loads(line)["step"] <= resumed_step]
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            storage.write_atomically(path, "".join(line + "\n" for line in kept))
             self.jsonl = open(path, "a")
         self.writer = None
         if tensorboard:
@@ -100,7 +107,8 @@ class MetricsLogger:
     def log(self, row: dict) -> None:
         step = row["step"]
         self.since_line.append((row["step_time"], row["mfu"]))
-        if step % self.log_interval == 0 or step in (1, self.steps) or "eval_time" in row:
+        printed = step % self.log_interval == 0 or step in (1, self.steps) or "eval_time" in row
+        if printed:
             tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # the same every step
             tokens_per_sec, mean_mfu = run_summary.mean_speed(self.since_line, tokens_per_step)
             mfu = "  n/a " if mean_mfu is None else f"{100 * mean_mfu:5.2f}%"
@@ -115,6 +123,8 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
+            if printed:
+                self.publish()
         if self.writer:
             for key, value in row.items():
                 if key != "step" and value is not None:
@@ -129,22 +139,36 @@ class MetricsLogger:
         for line in run_summary.lines(summary):
             print(line, flush=True)
         if self.jsonl:
-            path = Path(self.jsonl.name).with_suffix(".summary.json")
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps(summary, indent=1) + "\n")
-            os.replace(tmp, path)
+            path = (self.remote or Path(self.jsonl.name)).with_suffix(".summary.json")
+            self.publish(path, json.dumps(summary, indent=1) + "\n")
         if self.writer:
             self.writer.add_text("summary", "\n\n".join(run_summary.lines(summary)), summary["step"])
         for sink in self.sinks:
             sink.finish(summary)
 
+    def publish(self, path=None, data: str | bytes | None = None) -> None:
+        """`data` into `path` (by default the local JSONL into the URL it stands for, if any)."""
+        path = path or self.remote
+        if path is None:
+            return
+        try:
+            storage.write_atomically(path, data if data is not None else Path(self.jsonl.name).read_bytes())
+        except Exception as e:  # (a store down costs the upload, never the run: the local copy keeps it)
+            print(f"plait: writing {path} failed ({storage.first_line(e)}); {Path(self.jsonl.name)} holds the "
+                  "metrics, tried again at the next line", flush=True)
+
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
+            self.publish()
             if self.plot:  # also after a failure or a signal: the curves up to where the run stopped
                 from plait.metrics.plot import plot_runs
 
-                plot_runs([Path(self.jsonl.name)], Path(self.plot))
+                plot = storage.location(self.plot, "metrics.plot")
+                local = Path(self.jsonl.name).with_suffix(".png") if storage.is_remote(plot) else plot
+                plot_runs([Path(self.jsonl.name)], local)
+                if local != plot:
+                    self.publish(plot, local.read_bytes())
         if self.writer:
             self.writer.close()
         for sink in self.sinks:
