@@ -306,7 +306,7 @@ def close_run(cfg: JobConfig, preemption: Preemption, replicas: ReplicaGroups, c
     checkpointer.close()
     if logger:
         if rows is not None:
-            logger.finish(summary.build(rows, loader, *seconds, latest_complete(cfg.checkpoint.folder)))
+            logger.finish(summary.build(rows, loader, *seconds, checkpointer.newest))
         logger.close()
 
 

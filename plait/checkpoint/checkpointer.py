@@ -105,6 +105,7 @@ class Checkpointer:
         self.companions: dict[str, bytes] = {}  # rank 0: files of the start folder every checkpoint keeps
         self.pending = None  # (future, folder, manifest) of an asynchronous save in flight
         self.saved_step = None  # the step this run last saved (or resumed): saving it again is a no-op
+        self.newest = None  # the newest complete checkpoint this run saved or resumed (no listing: a store may be down)
         self.staging = None  # completes when the save in flight has copied the state it writes
         # Staging copies the state to CPU memory in a background thread while training goes on
         # (until the next optimizer step, see `wait_for_staging`), then it is written from there.
@@ -150,7 +151,7 @@ class Checkpointer:
             return 0
         start = time.perf_counter()
         self._load(folder, manifest, with_optimizer=True, option="checkpoint.folder")
-        self.saved_step = manifest["step"]
+        self.saved_step, self.newest = manifest["step"], folder
         self.loader.load_state_dict(manifest["loader"])
         self.scheduler.load_state_dict(manifest["scheduler"])
         for key, extra in self.extras.items():  # (absent from an older plait's checkpoint: as a new run)
@@ -258,6 +259,7 @@ class Checkpointer:
             return  # saved already (every rank knows: a signal on a checkpoint step, or the last)
         verdict = from_rank0(self._prepare(folder) if dist.get_rank() == 0 else None)
         if verdict == "complete":
+            self.newest = folder
             return  # a complete checkpoint of this step exists: never overwrite a good one
         if verdict != "ready":  # (every rank fails alike: none waits in a collective for another)
             raise self._save_failed(folder, RuntimeError(verdict))
@@ -345,7 +347,7 @@ class Checkpointer:
     def _complete(self, folder: Path, manifest: dict, found: dict | None, start: float, blocking: float) -> None:
         # Rank 0 has every rank's digests, so every rank's files are on disk (and DCP's metadata,
         # which rank 0 writes last): only now is the manifest written.
-        retried = ""
+        self.newest, retried = folder, ""
         if self.retries is not None and self.retries.count:  # (each rank's own requests: each says its own)
             retried = f"; rank {dist.get_rank()}'s requests to {self.root} were retried {self.retries.count} times"
             self.retries.count = 0
