@@ -80,9 +80,11 @@ def test_a_run_saved_to_s3_through_faults_resumes_from_it_as_from_a_local_folder
     for step_4 in (local / "step-4").iterdir():
         step_4.unlink()
     (local / "step-4").rmdir()
-    alone = [run_plait(tmp_path, *FSDP2, "--parallelism.dp_shard", "1", "--checkpoint.folder", folder, env=env)[0]
-             for folder in ("s3://plait/run", str(local))]
+    alone = [run_plait(tmp_path, *FSDP2, "--parallelism.dp_shard", "1", "--checkpoint.folder", folder,
+                       "--checkpoint.keep_latest_k", "1", env=env)[0] for folder in ("s3://plait/run", str(local))]
     assert losses(alone[0]) == losses(alone[1]) and [r["step"] for r in alone[0]] == [3, 4]
+    assert not fs.exists("plait/run/step-2") and not (local / "step-2").exists()  # (keep_latest_k 1 pruned it)
+    assert fs.exists("plait/run/step-4/plait.json") and (local / "step-4" / "plait.json").exists()
 
     from plait.cli import main
 

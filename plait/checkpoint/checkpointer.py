@@ -347,25 +347,34 @@ class Checkpointer:
     def _complete(self, folder: Path, manifest: dict, found: dict | None, start: float, blocking: float) -> None:
         # Rank 0 has every rank's digests, so every rank's files are on disk (and DCP's metadata,
         # which rank 0 writes last): only now is the manifest written.
-        self.newest, retried = folder, ""
+        retried = ""
         if self.retries is not None and self.retries.count:  # (each rank's own requests: each says its own)
             retried = f"; rank {dist.get_rank()}'s requests to {self.root} were retried {self.retries.count} times"
             self.retries.count = 0
         if dist.get_rank() == 0:
-            write_manifest(folder, {**manifest, "digests": found})
-            self._prune()
+            try:
+                write_manifest(folder, {**manifest, "digests": found})
+            except Exception as e:  # (rank 0's alone: the others go on, as checkpoint.on_error says)
+                raise self._save_failed(folder, e) from None
             print(f"plait: checkpoint {folder} complete after {time.perf_counter() - start:.2f}s; training was "
                   f"blocked {blocking:.2f}s{retried}", flush=True)
+            self._prune()
         elif retried:
             print(f"plait: checkpoint {folder}{retried}", flush=True)
+        self.newest = folder
 
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_latest_k
-        complete = sorted((int(STEP_FOLDER.match(p.name).group(1)), p) for p in self.root.iterdir()
-                          if STEP_FOLDER.match(p.name) and read_manifest(p) is not None)
-        if keep:
+        if not keep:
+            return
+        try:
+            complete = sorted((int(STEP_FOLDER.match(p.name).group(1)), p) for p in self.root.iterdir()
+                              if STEP_FOLDER.match(p.name) and read_manifest(p) is not None)
             for _, folder in complete[:-keep]:
                 storage.remove_tree(folder)
+        except Exception as e:  # (a store gone: the older checkpoints stay, complete; the next save prunes them)
+            print(f"plait: removing checkpoints older than the newest {keep} from {self.root} failed: {_cause(e)}",
+                  flush=True)
 
     def close(self) -> None:
         try:
