@@ -15,8 +15,8 @@ from plait.arguments import parse, parse_args
 from plait.config import ConfigError, JobConfig
 from plait.launch import EXIT_CODES, die_with_parent, end_worker, launch_local
 
-USAGE = """usage: plait {train,recipes,tokenize,seed-checkpoint,export,generate,eval,bench,bench-context,compare,trace,plan,plot,doctor,
-             lighthouse,why-hung} [options]
+USAGE = """usage: plait {train,recipes,tokenize,seed-checkpoint,export,merge,generate,eval,bench,bench-context,compare,trace,plan,
+             plot,doctor,lighthouse,why-hung} [options]
 
 subcommands:
   train            train a model (plait train --help lists every option)
@@ -24,6 +24,7 @@ subcommands:
   tokenize         tokenize a corpus once into a folder to train from: plait tokenize --data.path SRC --out DIR
   seed-checkpoint  write the initial weights of a job: plait seed-checkpoint [train options] --out DIR
   export           convert a checkpoint: plait export --checkpoint DIR --out DIR --format hf
+  merge            average checkpoints of one model: plait merge CKPT CKPT [...] --out DIR [--weights W W ...]
   generate         continue a text: plait generate --checkpoint DIR --prompt TEXT [--temperature 0]
   eval             score a checkpoint on multiple-choice tasks: plait eval --checkpoint DIR [--tasks FILE.jsonl]
   bench            measure layouts x precisions side by side (plait bench --help)
@@ -231,6 +232,12 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def merge(argv: list[str]) -> int:
+    from plait.checkpoint.merge import main as merge_main
+
+    return merge_main(argv)
+
+
 def generate(argv: list[str]) -> int:
     from plait.generate import main as generate_main
 
@@ -250,7 +257,7 @@ def evaluate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": train, "recipes": recipes, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
-            "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context, "compare": compare,
+            "merge": merge, "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context, "compare": compare,
             "trace": trace, "plan": plan, "plot": plot, "doctor": doctor,
             "lighthouse": lighthouse, "why-hung": why_hung}
 

@@ -204,7 +204,7 @@ def test_two_jobs_cannot_share_a_checkpoint_folder(tmp_path):
 def test_resume_under_another_layout(tmp_path):
     """Saved by FSDP2 at world 2, resumed (weights, AdamW state, data position) by a single
     process, TP2, DDP2+TP2 and PP2+FSDP2: steps 6-10 agree with the uninterrupted run within the fp32 layout
-    tolerance (measured ~1e-6)."""
+    tolerance (measured ~1e-6). Their step-10 checkpoints are then merged (merge_of_three_layouts)."""
     args = ["--training.steps", "10", "--checkpoint.interval", "5"]
     full, _ = run_plait(tmp_path, *args, "--checkpoint.folder", str(tmp_path / "fsdp"), "--parallelism.dp_shard", "2",
                         nproc=2)
@@ -217,6 +217,37 @@ def test_resume_under_another_layout(tmp_path):
         diff = max_abs_diff(losses(resumed), losses(full)[5:])
         print(f"\nresumed under {name}: max |loss diff| vs uninterrupted FSDP2 {diff:.2e}")
         assert diff <= 1e-5
+    merge_of_three_layouts(tmp_path, [tmp_path / name / "step-10" for name in ("fsdp", "tp", "single")])
+
+
+def merge_of_three_layouts(tmp_path, folders):
+    """`plait merge` of step 10 as saved by FSDP2 (world 2), TP2 and one device: bitwise the mean of
+    their weights loaded on one device (float64, rounded once), as is a weighted merge; the merge
+    loads and starts a run; a merge with another model is refused in one line."""
+    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.manifest import manifest_model, read_manifest
+    from plait.cli import main
+    from plait.config import ConfigError
+
+    args = manifest_model(read_manifest(folders[0]), folders[0], "checkpoint")
+    states = [load_full_state_dict(folder, args, "checkpoint") for folder in folders]
+    for weights in ([], ["1", "2", "5"]):
+        out = tmp_path / f"merged{len(weights)}"
+        assert main(["merge", *map(str, folders), "--out", str(out), *(["--weights", *weights] if weights else [])]) == 0
+        share = [float(w) / 8.0 for w in weights] if weights else [1 / 3] * 3  # (1 + 2 + 5 = 8)
+        merged = load_full_state_dict(out, args, "checkpoint")
+        for name, tensor in merged.items():
+            mean = sum((state[name].double() * w for state, w in zip(states, share)), torch.zeros((), dtype=torch.float64))
+            assert tensor.equal(mean.float()), name
+        assert any(not merged[name].equal(states[0][name]) for name in merged)  # (they differ: a mean was taken)
+    rows, _ = run_plait(tmp_path, "--training.steps", "1", "--checkpoint.load", str(tmp_path / "merged0"))
+    assert len(rows) == 1
+    other = tmp_path / "other"
+    assert main(["seed-checkpoint", *TINY, "--model.n_layers", "1", "--out", str(other)]) == 0
+    with pytest.raises(ConfigError, match=r"^checkpoints: .*other holds another model than .* \(n_layers "):
+        from plait.checkpoint.merge import main as merge_main
+
+        merge_main([str(folders[0]), str(other), "--out", str(tmp_path / "never")])
 
 
 def test_kill_during_async_save_resumes_from_last_complete(tmp_path):

@@ -61,15 +61,23 @@ def load_full_state_dict(folder: Path, args: ModelArgs, option: str) -> dict[str
 
 def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path, tokenizer: Tokenizer) -> None:
     """Model weights only, initialised from training.seed in one process with no process group."""
-    if read_manifest(out) is not None:
-        raise ConfigError(f"out: {out} already holds a checkpoint; refusing to overwrite it")
     model = Transformer(args)
     init_weights(model, cfg.training.seed)
+    write_weights_checkpoint(model.state_dict(), new_manifest(cfg.model.flavor, args, "seed", 0), out, tokenizer)
+
+
+def write_weights_checkpoint(state: dict[str, torch.Tensor], manifest: dict, out: Path, tokenizer: Tokenizer | None,
+                             **extra) -> None:
+    """A checkpoint of model weights alone (a seed's, a merge's), written in one process with no
+    process group; `manifest` (new_manifest's) gets the digests and `extra`."""
+    if read_manifest(out) is not None:
+        raise ConfigError(f"out: {out} already holds a checkpoint; refusing to overwrite it")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save({"model": model.state_dict()}, storage_writer=safe_dcp.writer(out), no_dist=True)
-    (out / TOKENIZER).write_text(tokenizer.to_str(pretty=True))  # (as Tokenizer.save writes it)
-    write_manifest(out, new_manifest(cfg, args, "seed", 0, digests=digests.collect(out, 0, 1, timeout=0)))
+        dcp.save({"model": state}, storage_writer=safe_dcp.writer(out), no_dist=True)
+    if tokenizer is not None:
+        (out / TOKENIZER).write_text(tokenizer.to_str(pretty=True))  # (as Tokenizer.save writes it)
+    write_manifest(out, {**manifest, **extra, "digests": digests.collect(out, 0, 1, timeout=0)})
 
 
 def _cause(error: BaseException) -> str:
@@ -264,7 +272,7 @@ class Checkpointer:
         if verdict != "ready":  # (every rank fails alike: none waits in a collective for another)
             raise self._save_failed(folder, RuntimeError(verdict))
         self.saved_step = step
-        manifest = new_manifest(self.cfg, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
+        manifest = new_manifest(self.cfg.model.flavor, self.args, "train", step, job=self.identity, loader=self.loader.state_dict(),
                              hyperparameters={**resumable_options(self.cfg), "optimizer": self.cfg.optimizer.name},
                              scheduler=self.scheduler.state_dict(),
                              **{key: extra.state_dict() for key, extra in self.extras.items()},

@@ -225,6 +225,6 @@ def claim_folder(root: Path, identity: dict) -> None:
         storage.write_atomically(root / OWNER, json.dumps(identity, indent=1))
 
 
-def new_manifest(cfg: JobConfig, args: ModelArgs, kind: str, step: int, **extra) -> dict:
-    return {"format": FORMAT, "plait": version("plait"), "kind": kind, "step": step, "flavor": cfg.model.flavor,
+def new_manifest(flavor: str, args: ModelArgs, kind: str, step: int, **extra) -> dict:
+    return {"format": FORMAT, "plait": version("plait"), "kind": kind, "step": step, "flavor": flavor,
             "model_args": asdict(args), **extra}
