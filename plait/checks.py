@@ -146,6 +146,11 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     for name in ("moe_aux_loss_coef", "moe_sequence_aux_coef", "mtp_loss_weight", "moe_bias_rate", "z_loss"):
         if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
             raise ConfigError(f"training.{name}: must be a finite number >= 0, got {getattr(t, name)}")
+    if not 0 <= t.ema < 1:
+        raise ConfigError(f"training.ema: {t.ema}; allowed: a decay in [0, 1), e.g. 0.999 (0 = no average)")
+    if t.ema and cfg.fault_tolerance.enable:
+        raise ConfigError("training.ema: not with fault_tolerance.enable (a healing replica group receives the "
+                          "weights, not their average)")
     if not (math.isfinite(t.spike_threshold) and t.spike_threshold > 0):
         raise ConfigError(f"training.spike_threshold: must be a finite number > 0, got {t.spike_threshold}")
     if t.spike_policy == "rollback" and not (cfg.checkpoint.folder and cfg.checkpoint.interval):

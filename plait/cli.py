@@ -187,7 +187,7 @@ def seed_checkpoint(argv: list[str]) -> int:
     if not cfg.out:
         raise ConfigError("out: plait seed-checkpoint needs --out DIR")
     from plait import storage
-    from plait.checkpoint.checkpointer import write_seed_checkpoint
+    from plait.checkpoint.offline import write_seed_checkpoint
 
     out = storage.location(cfg.out, "out")
     from plait.data import build_tokenizer
@@ -212,6 +212,8 @@ class ExportArgs:
     """dtype of the exported weights"""
     shard_mb: int = 5000
     """largest weight file; a bigger model is written as shards + model.safetensors.index.json"""
+    weights: Literal["model", "ema"] = "model"
+    """a plait checkpoint's weights, or their moving average (saved by a run with training.ema)"""
 
 
 def export(argv: list[str]) -> int:
@@ -226,7 +228,7 @@ def export(argv: list[str]) -> int:
 
     out = storage.location(opts.out, "out")
     wrote = export_checkpoint(storage.location(opts.checkpoint, "checkpoint"), out, getattr(torch, opts.dtype),
-                              opts.shard_mb << 20)
+                              opts.shard_mb << 20, opts.weights)
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]  # as transformers reads it
     print(f"plait: exported {opts.checkpoint} to {opts.out} as Hugging Face {architecture}, {opts.dtype}: {wrote}")
     return 0

@@ -97,6 +97,9 @@ class Training:
     """tokens per chunk of the output layer and loss: never the whole logits (plait/models/loss.py); 0 = whole"""
     z_loss: float = 0.0
     """weight of PaLM's z-loss (mean squared log-sum-exp of the logits; PaLM: 1e-4) added to the gradient; 0 = none"""
+    ema: float = 0.0
+    """decay of an exponential moving average of the weights, updated each step and saved in each checkpoint (e.g.
+    0.999); export, eval, generate and merge read it with --weights ema; 0 = none"""
     spike_policy: Literal["warn", "skip", "rollback"] = "warn"
     """a loss or grad_norm spike: warn = a line and a metrics row; skip = also no update (schedule and data go on);
     rollback = also the last checkpoint's weights and optimizer state back (the data since not seen again)"""

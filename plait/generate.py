@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from plait import hf, storage
 from plait.arguments import parse
 from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, read_manifest
-from plait.checkpoint.checkpointer import load_full_state_dict
+from plait.checkpoint.offline import load_full_state_dict
 from plait.config import ConfigError
 from plait.data import eos_id
 from plait.data.tokenizer import read_tokenizer
@@ -51,14 +51,20 @@ class GenerateArgs:
     """dtype of the weights and the computation"""
     ids: bool = False
     """also print the generated token ids (to compare with another implementation)"""
+    weights: Literal["model", "ema"] = "model"
+    """a plait checkpoint's weights, or their moving average (saved by a run with training.ema)"""
 
 
-def load(folder: Path) -> tuple[Transformer, Tokenizer]:
-    """The model and tokenizer of a plait checkpoint or a Hugging Face folder, on the CPU."""
+def load(folder: Path, weights: str = "model") -> tuple[Transformer, Tokenizer]:
+    """The model and tokenizer of a plait checkpoint (`weights` ema: its average of the weights) or
+    a Hugging Face folder, on the CPU."""
     if not folder.is_dir():
         raise ConfigError(f"checkpoint: {str(folder)!r} is not a folder")
     folder = checkpoint_in(folder, "checkpoint")
     if hf.is_hf_folder(folder):
+        if weights == "ema":
+            raise ConfigError(f"weights: {folder} is a Hugging Face folder, which holds no average of the weights; "
+                              "allowed here: model")
         args = hf.model_args(folder, "checkpoint")
         weights = hf.HFWeights(folder, args, "checkpoint")
         model = Transformer(args)
@@ -71,7 +77,7 @@ def load(folder: Path) -> tuple[Transformer, Tokenizer]:
         args = manifest_model(manifest, folder, "checkpoint")
         check_compatible(folder, args, "checkpoint")
         model = Transformer(args)
-        model.load_state_dict(load_full_state_dict(folder, args, "checkpoint"))
+        model.load_state_dict(load_full_state_dict(folder, args, "checkpoint", weights))
     if not (folder / TOKENIZER).is_file():
         raise ConfigError(f"checkpoint: {folder} has no {TOKENIZER} to turn text into tokens and back")
     tokenizer = read_tokenizer(folder / TOKENIZER, "checkpoint")
@@ -114,7 +120,7 @@ def main(argv: list[str]) -> int:
     if opts.temperature < 0 or not 0 < opts.top_p <= 1 or opts.max_new_tokens < 1:
         raise ConfigError("temperature must be >= 0, top_p in (0, 1], max_new_tokens >= 1; got "
                           f"{opts.temperature}, {opts.top_p}, {opts.max_new_tokens}")
-    model, tokenizer = load(storage.location(opts.checkpoint, "checkpoint"))
+    model, tokenizer = load(storage.location(opts.checkpoint, "checkpoint"), opts.weights)
     model.to(getattr(torch, opts.dtype))
     eos = eos_id(tokenizer, "checkpoint")
     # An empty prompt (with a tokenizer that adds no start token) samples the model unconditionally:

@@ -98,6 +98,8 @@ class TrainStep:
             self.checkpointer.wait_for_staging()
             if updates:
                 self.optimizer.step()
+                if self.checkpointer.ema is not None:
+                    self.checkpointer.ema.update()
                 if self.state_gib is None:  # once: AdamW's state exists now, and gradients until zero_grad
                     self.state_gib = state_memory_gib(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)

@@ -45,6 +45,7 @@ from plait.precision import TrainContexts, resolve
 from plait.preemption import Preempted, Preemption
 from plait.proof.probe import DtypeProbe
 from plait.proof.trace import StepProfiler
+from plait.ema import WeightAverage
 from plait.stability import SpikeWatch
 from plait.stragglers import SlowRanks
 from plait.start_folder import start_folder
@@ -223,8 +224,9 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     model = pipeline.module if pipeline else parallel.build_model(args, mesh, cfg, precision, device)
     optimizer, scheduler = build_optimizer(model, cfg)
     spikes = SpikeWatch(t.spike_threshold)  # (its history is saved with each checkpoint)
+    ema = WeightAverage(model, t.ema, t.float8 != "none") if t.ema else None
     checkpointer = Checkpointer(cfg, args, model, optimizer, scheduler, loader, identity, corpus.tokenizer,
-                                {"spikes": spikes})
+                                {"spikes": spikes}, ema)
     done = checkpointer.restore()
     replicas = ReplicaGroups(cfg)
     replicas.start(model, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}, done,

@@ -36,7 +36,7 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
     """The seed checkpoint holds exactly the seed-5 init, and replaces a run's own init (seed 0):
     every layout's step-1 loss equals the single process started from it — bitwise for data
     parallelism, within TP's fp32 reduction-order difference for TP."""
-    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.offline import load_full_state_dict
     from plait.checkpoint.manifest import read_manifest
     from plait.models.flavors import ModelArgs
     from plait.models.transformer import Transformer
@@ -224,7 +224,7 @@ def merge_of_three_layouts(tmp_path, folders):
     """`plait merge` of step 10 as saved by FSDP2 (world 2), TP2 and one device: bitwise the mean of
     their weights loaded on one device (float64, rounded once), as is a weighted merge; the merge
     loads and starts a run; a merge with another model is refused in one line."""
-    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.offline import load_full_state_dict
     from plait.checkpoint.manifest import manifest_model, read_manifest
     from plait.cli import main
     from plait.config import ConfigError
@@ -436,7 +436,7 @@ def test_a_manifest_from_a_newer_plait_is_one_line_naming_its_unknown_field(tmp_
 
 def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_ckpt):
     transformers = pytest.importorskip("transformers")
-    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.offline import load_full_state_dict
     from plait.checkpoint.manifest import read_manifest
     from plait.hf import HFWeights
     from plait.models.flavors import ModelArgs

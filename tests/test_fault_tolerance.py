@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import ROOT, STEPS, TINY, layout_run, losses, max_abs_diff
-from plait.checkpoint.checkpointer import load_full_state_dict
+from plait.checkpoint.offline import load_full_state_dict
 from plait.cli import main
 from plait.launch import descendants
 from plait.models.flavors import model_args

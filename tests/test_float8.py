@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import BF16, FLOAT8, LAYOUTS, MXFP8, ROOT, ROWWISE, STEPS, TINY, degrees, layout_run, losses, run_plait
 from plait import float8
-from plait.checkpoint.checkpointer import load_full_state_dict
+from plait.checkpoint.offline import load_full_state_dict
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.config import ConfigError

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,42 +41,8 @@ from plait.hf.tokenizer import TOKENIZER
 from plait.hyperparameters import schedule
 from plait.models.flavors import ModelArgs
 from plait.models.transformer import Transformer, num_params
-from plait.models.weights import fill_weights, init_weights
+from plait.models.weights import fill_weights
 from plait.optim.optimizers import group_options
-
-
-def load_full_state_dict(folder: Path, args: ModelArgs, option: str) -> dict[str, torch.Tensor]:
-    """A checkpoint's model weights as one full CPU state dict, in one process (no process group)."""
-    verify(folder, read_manifest(folder), option)
-    state = Transformer(args).state_dict()
-    try:
-        with warnings.catch_warnings():  # that no_dist means one process is what is meant here
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            safe_dcp.load({"model": state}, folder, no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise ConfigError(f"checkpoint: loading {folder} failed: {str(e).splitlines()[0]}") from None
-    return state
-
-
-def write_seed_checkpoint(cfg: JobConfig, args: ModelArgs, out: Path, tokenizer: Tokenizer) -> None:
-    """Model weights only, initialised from training.seed in one process with no process group."""
-    model = Transformer(args)
-    init_weights(model, cfg.training.seed)
-    write_weights_checkpoint(model.state_dict(), new_manifest(cfg.model.flavor, args, "seed", 0), out, tokenizer)
-
-
-def write_weights_checkpoint(state: dict[str, torch.Tensor], manifest: dict, out: Path, tokenizer: Tokenizer | None,
-                             **extra) -> None:
-    """A checkpoint of model weights alone (a seed's, a merge's), written in one process with no
-    process group; `manifest` (new_manifest's) gets the digests and `extra`."""
-    if read_manifest(out) is not None:
-        raise ConfigError(f"out: {out} already holds a checkpoint; refusing to overwrite it")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save({"model": state}, storage_writer=safe_dcp.writer(out), no_dist=True)
-    if tokenizer is not None:
-        (out / TOKENIZER).write_text(tokenizer.to_str(pretty=True))  # (as Tokenizer.save writes it)
-    write_manifest(out, {**manifest, **extra, "digests": digests.collect(out, 0, 1, timeout=0)})
 
 
 def _cause(error: BaseException) -> str:
@@ -102,10 +67,11 @@ class Checkpointer:
     """Saves every `checkpoint.interval` steps and at the last, and restores at start-up (see `restore`)."""
 
     def __init__(self, cfg: JobConfig, args: ModelArgs, model, optimizer, scheduler, loader, identity: dict,
-                 tokenizer: Tokenizer, extras: dict | None = None):
+                 tokenizer: Tokenizer, extras: dict | None = None, ema=None):
         self.cfg, self.args, self.identity, self.tokenizer = cfg, args, identity, tokenizer
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.extras = extras or {}  # more state of the run (state_dict / load_state_dict) kept in the manifest
+        self.ema = ema  # the weights' moving average (plait/ema.py), saved as DCP's `ema` beside the model
         self.root = storage.location(cfg.checkpoint.folder) if cfg.checkpoint.folder else None
         self.retries = storage.Retries() if self.root is not None and storage.is_remote(self.root) else None
         if self.root is not None and dist.get_rank() == 0:
@@ -127,16 +93,26 @@ class Checkpointer:
             self.save_group = dist.new_group(backend="gloo")
             self.hasher = ThreadPoolExecutor(1, thread_name_prefix="plait-digests")
 
-    def _state(self, with_optimizer: bool) -> dict:
+    def _state(self, with_optimizer: bool, with_ema: bool = False) -> dict:
         state = {"model": get_model_state_dict(self.model)}
         if with_optimizer:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if with_ema:
+            state["ema"] = self.ema.state_dict()
         return float8.master_weights(state) if self.cfg.training.float8 != "none" else state
 
     def restore(self) -> int:
         """Resume from the newest complete checkpoint in checkpoint.folder (everything: weights,
-        optimizer, schedule, data position, RNG) or else start from checkpoint.load (weights
-        only: a seed checkpoint never carries data or optimizer state). Returns steps done."""
+        optimizer, schedule, data position, RNG, the weights' average) or else start from
+        checkpoint.load (weights only: a seed checkpoint never carries data or optimizer state).
+        Returns steps done. An average the checkpoint does not hold starts from its weights."""
+        self.ema_loaded = False
+        done = self._restore()
+        if self.ema is not None and not self.ema_loaded:
+            self.ema.restart()
+        return done
+
+    def _restore(self) -> int:
         choice = from_rank0(self._choose() if dist.get_rank() == 0 else None)
         if choice is None:
             return 0
@@ -172,7 +148,8 @@ class Checkpointer:
         return manifest["step"]
 
     def roll_back(self) -> Path | None:
-        """Load the newest complete checkpoint's weights and optimizer state, and nothing else: the
+        """Load the newest complete checkpoint's weights and optimizer state (and the weights'
+        average), and nothing else: the
         data position, the schedule and the RNG go on from where the run is (training.spike_policy
         rollback: the steps since are undone, their data not seen again). None: no checkpoint yet."""
         self._finish_pending(block=True)  # (a save in flight is the newest once complete)
@@ -182,6 +159,8 @@ class Checkpointer:
         folder = storage.location(choice)
         manifest = read_manifest(folder)
         self._load(folder, manifest, with_optimizer=True, option="checkpoint.folder")
+        if self.ema is not None and not self.ema_loaded:
+            self.ema.restart()
         self._apply_hyperparameters(manifest.get("hyperparameters", {}))
         return folder
 
@@ -223,7 +202,8 @@ class Checkpointer:
 
     def _load(self, folder: Path, manifest: dict, with_optimizer: bool, option: str) -> None:
         verify(folder, manifest, option, dist.get_rank(), dist.get_world_size())
-        state = self._state(with_optimizer)
+        self.ema_loaded = with_optimizer and self.ema is not None and manifest.get("ema") is not None
+        state = self._state(with_optimizer, with_ema=self.ema_loaded)
         try:
             safe_dcp.load(state, folder)
         except (Exception, CheckpointException) as e:
@@ -276,12 +256,14 @@ class Checkpointer:
                              hyperparameters={**resumable_options(self.cfg), "optimizer": self.cfg.optimizer.name},
                              scheduler=self.scheduler.state_dict(),
                              **{key: extra.state_dict() for key, extra in self.extras.items()},
-                             rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
+                             rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+                             **({"ema": self.ema.decay} if self.ema is not None else {}))
         start = time.perf_counter()
         if not asynchronous:
             found, error = None, None
             try:
-                dcp.save(self._state(with_optimizer=True), storage_writer=safe_dcp.writer(folder))
+                dcp.save(self._state(with_optimizer=True, with_ema=self.ema is not None),
+                         storage_writer=safe_dcp.writer(folder))
                 found = self._digests(None, folder)
             except (Exception, CheckpointException) as e:
                 error = e
@@ -291,7 +273,8 @@ class Checkpointer:
                 raise self._save_failed(folder, error or RuntimeError(cause))
             self._complete(folder, manifest, found, start, time.perf_counter() - start)
         else:
-            response = dcp.async_save(self._state(with_optimizer=True), storage_writer=safe_dcp.writer(folder),
+            response = dcp.async_save(self._state(with_optimizer=True, with_ema=self.ema is not None),
+                                      storage_writer=safe_dcp.writer(folder),
                                       async_stager=self.stager, process_group=self.save_group)
             self.staging = response.staging_completion
             finished = self.hasher.submit(self._digests, response.upload_completion, folder)

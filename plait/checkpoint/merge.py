@@ -21,7 +21,7 @@ import tyro
 
 from plait import storage
 from plait.arguments import parse
-from plait.checkpoint.checkpointer import load_full_state_dict, write_weights_checkpoint
+from plait.checkpoint.offline import load_full_state_dict, write_weights_checkpoint
 from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, new_manifest, read_manifest
 from plait.config import ConfigError
 from plait.data.tokenizer import read_tokenizer

@@ -28,6 +28,8 @@ from plait.models.transformer import row_log_likelihoods
 class EvalArgs:
     checkpoint: str
     """a plait checkpoint, a job folder (its newest complete checkpoint) or a Hugging Face folder"""
+    weights: Literal["model", "ema"] = "model"
+    """a plait checkpoint's weights, or their moving average (saved by a run with training.ema)"""
     tasks: tuple[str, ...] = ("sample",)
     """multiple-choice tasks: .jsonl files of {"context": str, "choices": [str, ...], "gold": index} per line, or
     a bundled task's name (sample)"""
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"batch_size must be >= 1 and max_length >= 0; got {opts.batch_size}, {opts.max_length}")
     if not opts.tasks:
         raise ConfigError("tasks: give at least one task (a .jsonl file or a bundled name: sample)")
-    model, tokenizer = load(storage.location(opts.checkpoint, "checkpoint"))
+    model, tokenizer = load(storage.location(opts.checkpoint, "checkpoint"), opts.weights)
     positions = model.args.max_seq_len  # its RoPE table's length: a longer window fails in the first long forward
     if opts.max_length > positions:
         raise ConfigError(f"max_length: {opts.max_length} is beyond the model's {positions} positions; allowed: "

@@ -11,7 +11,7 @@ import torch
 
 from plait import storage
 from plait.checkpoint.manifest import check_compatible, checkpoint_in, manifest_model, read_manifest
-from plait.checkpoint.checkpointer import load_full_state_dict
+from plait.checkpoint.offline import load_full_state_dict
 from plait.config import ConfigError
 from plait.data.tokenizer import read_tokenizer
 from plait.hf import tokenizer as hf_tokenizer
@@ -19,26 +19,26 @@ from plait.hf.config import hf_config
 from plait.hf.weights import write_weights
 
 
-def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
+def export_checkpoint(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int, weights: str = "model") -> str:
     """Write `out` from the checkpoint `folder` (a job folder: its newest); returns what was written,
     for the one line. `out` under a URL is written here first and uploaded (safetensors and the
     tokenizer write local files), config.json last: a folder without it is no Hugging Face folder."""
     if not storage.is_remote(out):
-        return export_to_folder(folder, out, dtype, shard_bytes)
+        return export_to_folder(folder, out, dtype, shard_bytes, weights)
     with tempfile.TemporaryDirectory(prefix="plait-export-") as staging:
-        wrote = export_to_folder(folder, Path(staging), dtype, shard_bytes)
+        wrote = export_to_folder(folder, Path(staging), dtype, shard_bytes, weights)
         storage.upload(Path(staging), out, last="config.json")
     return wrote
 
 
-def export_to_folder(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> str:
+def export_to_folder(folder: Path, out: Path, dtype: torch.dtype, shard_bytes: int, weights: str) -> str:
     folder = checkpoint_in(folder, "checkpoint")
     manifest = read_manifest(folder)
     if manifest is None:
         raise ConfigError(f"checkpoint: {folder} is not a complete plait checkpoint")
     args = manifest_model(manifest, folder, "checkpoint")
     check_compatible(folder, args, "checkpoint")
-    state = load_full_state_dict(folder, args, "checkpoint")
+    state = load_full_state_dict(folder, args, "checkpoint", weights)
     tokenizer = None
     if (folder / hf_tokenizer.TOKENIZER).is_file():
         tokenizer = read_tokenizer(folder / hf_tokenizer.TOKENIZER, "checkpoint")

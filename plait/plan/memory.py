@@ -134,15 +134,16 @@ def units(params: dict[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, 
     return grouped
 
 
-def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout, optimizer: str = "adamw") -> int:
+def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout, optimizer: str = "adamw", ema: bool = False) -> int:
     """fp32 parameter + fp32 gradient + AdamW exp_avg and exp_avg_sq, per element; and AdamW's
     step counter (a float32 scalar tensor) per parameter. Under Muon its matrices hold one
-    momentum instead of the two moments (plait/optim/optimizers.py)."""
+    momentum instead of the two moments (plait/optim/optimizers.py); training.ema adds one fp32
+    copy in the parameters' sharding (plait/ema.py)."""
     total = 0
     for name, shape in params.items():
         rows, cols = local_rows_cols(name, shape, layout)
         muon = optimizer == "muon" and uses_muon(name, torch.empty(shape, device="meta"))
-        total += math.ceil(rows / layout.shard) * cols * (12 if muon else 16) + 4
+        total += math.ceil(rows / layout.shard) * cols * ((12 if muon else 16) + 4 * ema) + 4
     return total
 
 

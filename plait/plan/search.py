@@ -144,7 +144,7 @@ def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, 
         comm = collectives(args, cfg, stages, e)
         pipeline_split = 1 if stages is None else microbatches(cfg)
         tokens = t.seq_len * t.micro_batch_size // pipeline_split
-        state = state_bytes(params, layout, cfg.optimizer.name) / GIB
+        state = state_bytes(params, layout, cfg.optimizer.name, cfg.training.ema > 0) / GIB
         activations = activation_bytes(args, cfg, stages, e) / GIB
         buffers = buffer_bytes(args, cfg, params, e, tokens) / GIB
         if largest is None or state + activations + buffers > sum(largest[:3]):

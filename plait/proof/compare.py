@@ -293,7 +293,7 @@ def main(argv: list[str]) -> int:
     atol = 0.0 if args.assert_equal else args.atol
 
     from plait.checkpoint.manifest import read_manifest
-    from plait.checkpoint.checkpointer import write_seed_checkpoint
+    from plait.checkpoint.offline import write_seed_checkpoint
 
     out, seed = Path(args.out), Path(args.out) / "seed"
     if seed.exists():

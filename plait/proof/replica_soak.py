@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         job.kill()
         print("replica_soak: HANG: the run did not end within 900 s of the last kill")
         return 1
-    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.offline import load_full_state_dict
     from plait.checkpoint.manifest import manifest_model, read_manifest
 
     last = [out / "ck" / f"group-{g}" / f"step-{args.steps}" for g in (0, 1)]

@@ -44,7 +44,7 @@ def template() -> Path:
     import torch
 
     from plait.cli import main
-    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.offline import load_full_state_dict
     from plait.hf.weights import write_weights
     from plait.checkpoint.manifest import read_manifest, manifest_model
 

@@ -164,7 +164,7 @@ def rows(folder: Path, options) -> list[dict]:
 
 
 def weights(folder: Path, options) -> list[dict]:
-    from plait.checkpoint.checkpointer import load_full_state_dict
+    from plait.checkpoint.offline import load_full_state_dict
     from plait.checkpoint.manifest import manifest_model, read_manifest
 
     lasts = [folder / "ckpt" / tag / f"step-{STEPS}" for tag in groups(options)]
