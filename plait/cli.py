@@ -188,11 +188,10 @@ def seed_checkpoint(argv: list[str]) -> int:
         raise ConfigError("out: plait seed-checkpoint needs --out DIR")
     from plait import storage
     from plait.checkpoint.offline import write_seed_checkpoint
-
-    out = storage.location(cfg.out, "out")
     from plait.data import build_tokenizer
     from plait.job_model import job_model
 
+    out = storage.location(cfg.out, "out")
     tokenizer = build_tokenizer(cfg.data)
     args = job_model(cfg, tokenizer.get_vocab_size())
     write_seed_checkpoint(cfg, args, out, tokenizer)
@@ -259,8 +258,8 @@ def evaluate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": train, "recipes": recipes, "tokenize": tokenize, "seed-checkpoint": seed_checkpoint, "export": export,
-            "merge": merge, "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context, "compare": compare,
-            "trace": trace, "plan": plan, "plot": plot, "doctor": doctor,
+            "merge": merge, "generate": generate, "eval": evaluate, "bench": bench, "bench-context": bench_context,
+            "compare": compare, "trace": trace, "plan": plan, "plot": plot, "doctor": doctor,
             "lighthouse": lighthouse, "why-hung": why_hung}
 
 

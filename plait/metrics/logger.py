@@ -151,11 +151,15 @@ class MetricsLogger:
         path = path or self.remote
         if path is None:
             return
+        data = data if data is not None else Path(self.jsonl.name).read_bytes()
+        if not storage.is_remote(path):
+            storage.write_atomically(path, data)
+            return
         try:
-            storage.write_atomically(path, data if data is not None else Path(self.jsonl.name).read_bytes())
-        except Exception as e:  # (a store down costs the upload, never the run: the local copy keeps it)
+            storage.write_atomically(path, data)
+        except Exception as e:  # (a store down costs the upload, never the run: the local copy keeps the rows)
             print(f"plait: writing {path} failed ({storage.first_line(e)}); {Path(self.jsonl.name)} holds the "
-                  "metrics, tried again at the next line", flush=True)
+                  "metrics (the JSONL is tried again at the next line)", flush=True)
 
     def close(self) -> None:
         if self.jsonl:
