@@ -27,6 +27,15 @@ raise_signal_exception = elastic._terminate_process_handler
 stopping: list[int] = []
 
 
+def signal_behind(error: BaseException) -> SignalException | None:
+    """The SignalException `error` was raised while handling, if any: the signal can land anywhere
+    in the agent, e.g. inside torch's metrics wrapper before it set its start time, whose `finally`
+    then raises an UnboundLocalError over it (seen once in CI)."""
+    while error is not None and not isinstance(error, SignalException):
+        error = error.__context__
+    return error
+
+
 def stop_once(signum, frame) -> None:
     """The agent's first stopping signal raises as torchrun's own handler does; a repeat is
     ignored. A scheduler signals every process and plait's launcher forwards the signal too, so
@@ -52,3 +61,7 @@ if __name__ == "__main__":
         if e.get_first_failure()[1].exitcode != 2:
             raise
         sys.exit(2)
+    except Exception as e:
+        if (stopped := signal_behind(e)) is None:
+            raise
+        sys.exit(128 + int(stopped.sigval))
