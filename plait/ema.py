@@ -6,7 +6,7 @@ FSDP2, TP or both), so it costs each rank one more float32 copy of its own shard
 parameters (plait plan counts it) and any layout resumes it: it is saved with every checkpoint as
 DCP's `ema`, under the model's own names (those of its state dict: no wrapper of compile, DDP or
 activation checkpointing in them), the manifest recording the decay; `--weights ema` reads it back
-in export, eval, generate and merge. A checkpoint without one (a seed, a run without ema) starts
+in export, eval and generate. A checkpoint without one (a seed, a run without ema) starts
 the average from its weights.
 """
 
@@ -35,7 +35,6 @@ class WeightAverage:
         assert not unknown, f"parameters without a state-dict name: {sorted(unknown)[:3]}"
         # float8's weights wrap their fp32 masters: the average is of the masters (views of their storage)
         self.params = float8.master_weights({"ema": params})["ema"] if float8_on else params
-        self.average = {}
         self.restart()
 
     def restart(self) -> None:

@@ -39,7 +39,8 @@ class MergeArgs:
 
 
 def merge(folders: list, weights: list[float]) -> tuple[dict[str, torch.Tensor], dict, object]:
-    """The weighted mean of the checkpoints' weights, the first one's manifest and its folder."""
+    """The weighted mean of the checkpoints' weights (`weights` summing to 1), the first one's
+    manifest and its folder."""
     first = None
     for folder in folders:
         manifest = read_manifest(folder)
@@ -53,12 +54,11 @@ def merge(folders: list, weights: list[float]) -> tuple[dict[str, torch.Tensor],
             raise ConfigError(f"checkpoints: {folder} holds another model than {first[0]} ({differ}); a merge "
                               "averages checkpoints of one model")
         first = first or (folder, args, manifest)
-    total, merged, dtypes = math.fsum(weights), {}, {}
+    merged, dtypes = {}, {}
     for folder, weight in zip(folders, weights):
         for name, tensor in load_full_state_dict(folder, first[1], "checkpoints").items():
             dtypes[name] = tensor.dtype
-            total_so_far = merged.get(name, torch.zeros((), dtype=torch.float64))
-            merged[name] = total_so_far + tensor.double() * (weight / total)
+            merged[name] = merged.get(name, torch.zeros((), dtype=torch.float64)) + tensor.double() * weight
     return {name: t.to(dtypes[name]) for name, t in merged.items()}, first[2], first[0]
 
 
@@ -71,17 +71,18 @@ def main(argv: list[str]) -> int:
     if len(weights) != len(opts.checkpoints) or min(weights) < 0 or not math.fsum(weights) > 0:
         raise ConfigError(f"weights: {list(weights)}; give one weight >= 0 per checkpoint ({len(opts.checkpoints)}), "
                           "not all 0")
+    shares = [w / math.fsum(weights) for w in weights]
     folders = [checkpoint_in(storage.location(c, "checkpoints"), "checkpoints") for c in opts.checkpoints]
     out = storage.location(opts.out, "out")
-    if read_manifest(out) is not None:
+    if read_manifest(out) is not None:  # (before minutes of reading; the write checks it again)
         raise ConfigError(f"out: {out} already holds a checkpoint; refusing to overwrite it")
-    state, manifest, source = merge(folders, weights)
+    state, manifest, source = merge(folders, shares)
     tokenizer = read_tokenizer(source / TOKENIZER, "checkpoints") if (source / TOKENIZER).is_file() else None
-    record = {"merged": [{"checkpoint": str(f), "step": read_manifest(f)["step"], "weight": w / math.fsum(weights)}
-                         for f, w in zip(folders, weights)]}
-    write_weights_checkpoint(state, new_manifest(manifest.get("flavor", ""), manifest_model(manifest, source, "checkpoints"),
-                                                 "merge", 0), out, tokenizer, **record)
-    shown = ", ".join(f"{f} x {w / math.fsum(weights):.3g}" for f, w in zip(folders, weights))
+    record = {"merged": [{"checkpoint": str(f), "step": read_manifest(f)["step"], "weight": share}
+                         for f, share in zip(folders, shares)]}
+    args = manifest_model(manifest, source, "checkpoints")
+    write_weights_checkpoint(state, new_manifest(manifest.get("flavor", ""), args, "merge", 0), out, tokenizer, **record)
+    shown = ", ".join(f"{f} x {share:.3g}" for f, share in zip(folders, shares))
     print(f"plait: merged {len(folders)} checkpoints ({shown}) into {out}: start a run from it with --checkpoint.load "
           f"{out}, or export it")
     return 0
