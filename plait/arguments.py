@@ -51,6 +51,11 @@ def toml_to_args(path: Path) -> list[str]:
         raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
     job_sections = sections()
     args: list[str] = []
+    if "phase" in table:  # [[phase]] tables: training.phases, one KEY=VALUE string each (plait/data/phases.py)
+        phases = table.pop("phase")
+        if not (isinstance(phases, list) and all(isinstance(p, dict) for p in phases)):
+            raise ConfigError(f"config {path}: phase is a list of [[phase]] tables (step = 161, mix = \"hq:1\", ...)")
+        args += ["--training.phases", *(" ".join(f"{k}={v}" for k, v in p.items()) for p in phases)]
     for section, values in table.items():
         if section not in job_sections or not isinstance(values, dict):
             raise ConfigError(f"config {path}: unknown section [{section}]; allowed: {sorted(job_sections)}")

@@ -12,6 +12,7 @@ import os
 from plait import storage
 from plait.checkpoint.manifest import checkpoint_in
 from plait.config import ConfigError, JobConfig, dp_degree
+from plait.data.batch_schedule import check_growth
 from plait.data.mixture import check_mix
 from plait.data.shards import is_tokenized
 from plait.models.masking import check_attention
@@ -43,6 +44,7 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     defaults (micro_batch_size, dp_shard, ...) as `validate` does. ConfigError if wrong."""
     check_fault_tolerance(cfg)  # (first: validate divides the batch by the groups)
     validate(cfg, world)
+    check_growth(cfg)
     check_schedule(cfg)
     check_optimizer(cfg)
     check_context_parallel(cfg)

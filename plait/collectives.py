@@ -98,11 +98,13 @@ class Recorder:
                 if names := [signal.Signals(b).name for b in data if b in DUMPED_ON]:
                     self._dump(f"signal {'/'.join(names)}")
             elif self.store is not None:
-                with contextlib.suppress(Exception):  # (a store whose host has gone: nothing to answer)
+                try:
                     if self.store.check([ASKED]) and (why := self.store.get(ASKED).decode()) != self.answered:
                         self.answered = why
                         self._dump(why)
                         self.store.set(f"{DUMPED}{dist.get_rank()}", why)
+                except Exception:  # a store whose host has gone (rank 0 exited): asked no more, and said
+                    self.store = None  # once (each try of a dead TCPStore logs a C++ warning of its own)
 
     def _dump(self, why: str) -> None:
         try:

@@ -43,8 +43,7 @@ class Model:
     """each query sees itself and the N - 1 keys before it, in every block but model.full_layers; 0 = the
     flavor's (none for most) or the Hugging Face folder's"""
     full_layers: tuple[int, ...] = ()
-    """with model.sliding_window: the blocks that attend over the whole sequence (e.g. 1 3 5: local and global
-    blocks alternating)"""
+    """with model.sliding_window: the blocks that attend over the whole sequence (e.g. 1 3 5: local, global, ...)"""
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
     mtp_layers: int = -1
@@ -70,6 +69,13 @@ class Training:
     """sequences per forward per data-parallel rank; 0 = global / dp degree (no accumulation)"""
     seq_len: int = 128
     """tokens per sequence"""
+    batch_rampup: tuple[int, int] = (0, 0)
+    """START TOKENS: START sequences a step, up to global_batch_size over TOKENS tokens (docs/growth.md); 0 0 = none"""
+    seq_len_warmup: tuple[int, int] = (0, 0)
+    """START TOKENS: sequences of START tokens, up to seq_len over TOKENS tokens (docs/growth.md); 0 0 = none"""
+    phases: tuple[str, ...] = ()
+    """from a step or a number of tokens: another mixture, the lr's own decay, shorter sequences, one string each
+    ("step=161 mix=hq:1 decay=linear to=0"; TOML: [[phase]] tables; docs/growth.md)"""
     lr: float = 2e-3
     """peak learning rate (AdamW), reached after warmup, then lr_schedule"""
     warmup_steps: int = 10
@@ -302,8 +308,7 @@ class FaultTolerance:
 @dataclass
 class Checkpoint:
     folder: str = ""
-    """save training checkpoints here (step-N folders; a path or a URL: s3://bucket/run) and resume from the newest
-    complete one"""
+    """save training checkpoints here (step-N folders; a path or s3://bucket/run) and resume from the newest one"""
     interval: int = 0
     """save every N steps and at the last step; 0 = at the last step only (a signal that stops the run saves its
     step either way)"""

@@ -30,10 +30,15 @@ class ExpertLoad:
         n_moe = sum(map(args.sparse, range(args.n_layers + args.mtp_layers)))
         # `group`: the data-parallel ranks x cp; cp ranks hold parts of one loss (plait/models/moe.py: aux_loss)
         self.bias_rate, self.group, self.pp_group = bias_rate, group, pp_group
+        self.coefficient, self.n_moe = coefficient, n_moe
+        self.set_forwards(forwards)
+
+    def set_forwards(self, forwards: int) -> None:
+        """Each micro-batch's share of the loss in a step of `forwards` micro-batches."""
         for layer in self.layers:
             # loss + coefficient x (the layers' mean), each micro-batch's share; the gradient average
             # divides by the cp ranks too, whose parts of the loss add up rather than average
-            layer.aux_scale = coefficient * layer.sequence_ranks / (n_moe * forwards)
+            layer.aux_scale = self.coefficient * layer.sequence_ranks / (self.n_moe * forwards)
 
     @torch.no_grad()
     def step(self, move_biases: bool = True) -> dict:
@@ -75,9 +80,10 @@ class RecordedLoss:
     other ranks add nothing over `pp_group` and log what it measured."""
 
     def __init__(self, name: str, records: list | None, enabled: bool, device: torch.device,
-                 group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None, set_forwards=None):
         self.name, self.records, self.enabled = name, records, enabled
         self.device, self.group, self.pp_group = device, group, pp_group
+        self.set_forwards = set_forwards or (lambda forwards: None)  # (a loss the model scales per micro-batch)
 
     @torch.no_grad()
     def step(self) -> dict:
@@ -100,10 +106,14 @@ def further_tokens(model: nn.Module | None, args: ModelArgs, forwards: int, weig
     it to the gradient: Transformer.predict_further), and per step its value `mtp_loss`. Under a
     pipeline `model` is the last stage's (None on the other ranks)."""
     model = getattr(model, "module", model)  # (classic DDP's wrapper)
-    if model is not None:
-        model.mtp_scale = weight / forwards
+
+    def set_forwards(forwards: int) -> None:
+        if model is not None:
+            model.mtp_scale = weight / forwards
+
+    set_forwards(forwards)
     return RecordedLoss("mtp_loss", model.mtp_records if model is not None else None, args.mtp_layers > 0, device,
-                        group, pp_group)
+                        group, pp_group, set_forwards)
 
 
 def z_loss(model: nn.Module | None, coefficient: float, device: torch.device, group: dist.ProcessGroup,

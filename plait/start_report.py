@@ -31,6 +31,10 @@ def print_start_report(cfg: JobConfig, args: ModelArgs, mesh, replicas, loader, 
           f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {dp_degree(cfg)} x accum "
           f"{grad_accumulation_steps(cfg)} | {peak}\nplait: {precision.describe()}" +
           (f"\nplait: {pipeline.summary}" if pipeline else ""), flush=True)
+    if loader.schedule.ends:  # (a ramp or a warm-up)
+        print(f"plait: {loader.schedule.describe(t.steps)}", flush=True)
+    for line in loader.schedule.phases.describe() if loader.schedule.phases else ():
+        print(f"plait: {line}", flush=True)
     for line in hf_start_lines(cfg):
         print(line, flush=True)
     if precision.emulated:

@@ -73,6 +73,7 @@ class TrainStep:
         self.further = further_tokens(pipeline.predictor if pipeline else model, args, forwards, t.mtp_loss_weight,
                                       device, loss_mesh.get_group(), stages)
         self.z_loss = z_loss(pipeline.last if pipeline else model, t.z_loss, device, loss_mesh.get_group(), stages)
+        self.forwards = forwards  # (a batch ramp changes it: plait/data/batch_schedule.py)
         self.state_gib = None  # AdamW's state, once it exists (after the first update)
 
     def __call__(self, step: int) -> tuple[dict, dict] | None:
@@ -80,6 +81,10 @@ class TrainStep:
         where a replica group failed during it (no update: the same batches come again)."""
         position = self.loader.state_dict()
         batches = [(inputs.to(self.device), labels.to(self.device)) for inputs, labels in self.loader.next_batches()]
+        if not self.pipeline and len(batches) != self.forwards:
+            self.forwards = len(batches)
+            self.expert_load.set_forwards(self.forwards)
+            self.further.set_forwards(self.forwards)
         loss_value = self.loss(batches)
         self.preemption.agree()
         grad_norm = self.clip()
@@ -128,7 +133,7 @@ class TrainStep:
             loss_sum = accumulate(self.model, batches, self.contexts, self.layout, watch)
         dist.all_reduce(loss_sum, group=self.loss_mesh.get_group())
         self.replicas.average(loss_sum)
-        return loss_sum.item() / (grad_accumulation_steps(self.cfg) * self.loss_mesh.size())
+        return loss_sum.item() / (len(batches) * self.loss_mesh.size())  # (a pipeline's one local batch: its mean)
 
     def stop_at(self, step: int, batches: list, loss_value: float, grad_norm: float) -> None:
         """A non-finite loss or norm: the step again from the same weights, under hooks that name

@@ -25,6 +25,7 @@ from plait.checks import check_options
 from plait.config import ConfigError, JobConfig, dp_degree, replica_groups, world_size
 from plait.storage import job_folder
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
+from plait.data.batch_schedule import batch_schedule
 from plait.evals import Evaluation, Groups, TaskSuite, check_holds_eval_steps, eval_steps_held, open_loss_sets
 from plait.hardware import linear_shapes, peak_flops, pick_device
 from plait.job_model import job_model
@@ -156,7 +157,7 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    corpus = open_data(cfg.data, start_folder(cfg))
+    corpus = open_data(cfg.data, start_folder(cfg), cfg.training.phases)
     try:
         args = job_model(cfg, corpus.tokenizer.get_vocab_size())
     except ValueError as e:
@@ -195,24 +196,45 @@ def run(cfg: JobConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, started: float, loss_sets: dict,
-           suite: TaskSuite | None) -> list[dict]:
-    t = cfg.training
-    rank = dist.get_rank()
-    mesh, dp_mesh, loss_mesh = parallel.build_mesh(cfg, device.type)
-    cp = cfg.parallelism.cp
+def open_batches(cfg: JobConfig, args, corpus, mesh, dp_mesh, loss_mesh, loss_sets: dict, suite: TaskSuite | None):
+    """This rank's batch layout (the masks and positions its sequences get), its training batches,
+    its evaluations and the groups they reduce over."""
+    t, cp = cfg.training, cfg.parallelism.cp
     layout = BatchLayout(cfg.model.attention_mask, attention_kernel(cfg), eos_id(corpus.tokenizer),
                          mesh["cp"].get_local_rank(), cp, cfg.parallelism.cp_kind == "ulysses",
                          args.windows, predicts_further=bool(args.mtp_layers))
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
     # Replica groups split each step's batch as one more data-parallel dimension; each evaluates all of it
     group = cfg.fault_tolerance.replica_id if cfg.fault_tolerance.enable else 0
+    schedule = batch_schedule(cfg)
     loader = BatchLoader(corpus.sources, corpus.weights, *shape[:3], group * dp_mesh.size() + dp_mesh.get_local_rank(),
-                         replica_groups(cfg) * dp_mesh.size(), t.seed)
+                         replica_groups(cfg) * dp_mesh.size(), t.seed, schedule, corpus.phase_weights(schedule.phases))
     evaluation = Evaluation(cfg, eval_batches(corpus.val, *shape, eval_steps_held(corpus.val, t)) if t.eval_interval
                             else None, {name: eval_batches(source, *shape, eval_steps_held(source, t))
                                         for name, source in loss_sets.items()}, suite)
     groups = Groups(dp_mesh.get_group(), loss_mesh.get_group(), mesh["cp"].get_group() if cp > 1 else None)
+    return layout, loader, evaluation, groups
+
+
+def open_metrics(cfg: JobConfig, args, pipeline, precision, device: torch.device, done: int):
+    """The shapes of the model's matmuls per forward, the device's peak at them (MFU's), and rank
+    0's metrics sinks."""
+    t = cfg.training
+    sequences_per_forward = t.micro_batch_size // (microbatches(cfg) if pipeline else 1)
+    shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len // cfg.parallelism.cp)
+    peak = peak_flops(device, precision.compute, shapes)
+    utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size() * replica_groups(cfg))
+    logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done, cfg.metrics.plot,
+                           wandb_sinks(cfg, asdict(args), done), steps=t.steps) if dist.get_rank() == 0 else None
+    return shapes, peak, utilisation, logger
+
+
+def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, started: float, loss_sets: dict,
+           suite: TaskSuite | None) -> list[dict]:
+    t = cfg.training
+    rank = dist.get_rank()
+    mesh, dp_mesh, loss_mesh = parallel.build_mesh(cfg, device.type)
+    layout, loader, evaluation, groups = open_batches(cfg, args, corpus, mesh, dp_mesh, loss_mesh, loss_sets, suite)
 
     precision = resolve(cfg)
     pp = cfg.parallelism.pp > 1  # the pipeline enters loss parallelism around its whole schedule
@@ -232,12 +254,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     replicas.start(model, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}, done,
                    device)
 
-    sequences_per_forward = t.micro_batch_size // (microbatches(cfg) if pipeline else 1)
-    shapes = linear_shapes(linear_weight_shapes(args), sequences_per_forward * t.seq_len // cp)
-    peak = peak_flops(device, precision.compute, shapes)
-    utilisation = Utilisation(flops_per_token(args, t.seq_len), peak, dist.get_world_size() * replica_groups(cfg))
-    logger = MetricsLogger(cfg.metrics.jsonl, cfg.metrics.tensorboard, cfg.metrics.log_interval, done, cfg.metrics.plot,
-                           wandb_sinks(cfg, asdict(args), done), steps=t.steps) if rank == 0 else None
+    shapes, peak, utilisation, logger = open_metrics(cfg, args, pipeline, precision, device, done)
     if rank == 0:
         print_start_report(cfg, args, mesh, replicas, loader, precision, pipeline, peak, shapes, device)
     preemption = Preemption(device)
@@ -274,13 +291,11 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start - evaluated.get("eval_time", 0.0)  # a step's time is training's
             if logger:
-                taking_part = replicas.taking_part()  # (tokens trained, not planned: a dead group's share is not)
-                tokens_per_sec = t.global_batch_size * t.seq_len * taking_part / replica_groups(cfg) / elapsed
-                row = {"step": step, **metrics, "tokens_per_sec": tokens_per_sec,
-                       "mfu": utilisation.mfu(step, tokens_per_sec), "memory_gib": peak_memory_gib(device),
+                row = {"step": step, **metrics, **speed(step, elapsed, loader.schedule, replicas, utilisation, args,
+                                                         cfg), "memory_gib": peak_memory_gib(device),
                        "state_gib": train_step.state_gib, "step_time": elapsed,
-                       **({"replicas": taking_part} if cfg.fault_tolerance.enable else {}), **experts, **evaluated,
-                       **slowest}
+                       **({"replicas": replicas.taking_part()} if cfg.fault_tolerance.enable else {}), **experts,
+                       **evaluated, **slowest}
                 logger.log(row)
                 rows.append(row)
             checkpointer.maybe_save(step)
@@ -297,6 +312,20 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
         close_run(cfg, preemption, replicas, checkpointer, logger, rows if finished else None, loader,
                   (startup_s, time.perf_counter() - started))
     return rows
+
+
+def speed(step: int, elapsed: float, schedule, replicas: ReplicaGroups, utilisation: Utilisation, args,
+          cfg: JobConfig) -> dict:
+    """A step's tokens/s and MFU (tokens trained, not planned: a dead group's share is not), a
+    growing run's batch and length (plait/data/batch_schedule.py), and a phased run's phase (0:
+    before the first)."""
+    now = schedule.shape(step)
+    tokens_per_sec = now.tokens * replicas.taking_part() / replica_groups(cfg) / elapsed
+    phase = schedule.phases.at(step) if schedule.phases else None
+    return {**({"batch": now.sequences, "seq_len": now.length} if schedule.grows else {}),
+            **({"phase": phase.number if phase else 0} if schedule.phases else {}),
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": utilisation.mfu(step, tokens_per_sec, flops_per_token(args, now.length))}
 
 
 def close_run(cfg: JobConfig, preemption: Preemption, replicas: ReplicaGroups, checkpointer: Checkpointer,

@@ -315,7 +315,7 @@ def test_resume_equals_uninterrupted():
 
 
 @pytest.mark.parametrize("change, option", [
-    (dict(seed=1), "training.seed"), (dict(global_batch=6), "training.global_batch_size"), (dict(n=11), "data.path")])
+    (dict(seed=1), "training.seed"), (dict(n=11), "data.path")])
 def test_mismatched_state_raises(change, option):
     state = loader().state_dict()
     with pytest.raises(ConfigError, match=f"^{option}: "):

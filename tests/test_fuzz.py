@@ -14,8 +14,9 @@ def prove(name: str, examples: int, expected: set[str], generator=None):
     module = __import__(f"plait.proof.fuzz.{name}", fromlist=["GENERATOR"])
     outcomes = run(generator or module.GENERATOR, examples, seed_value=2026)
     print(f"\nfuzz {name}: {dict(outcomes)}")
-    # (the budget is spent on cases that reach plait's code, not only on refusals)
-    assert expected <= set(outcomes), outcomes
+    # (the budget is spent on cases that reach plait's code, not only on refusals; an outcome is
+    # named by its start: "(fp32)" or "(low)" after it is the precision the CPU's auto picked)
+    assert all(any(o.startswith(e) for o in outcomes) for e in expected), outcomes
     return outcomes
 
 
@@ -45,7 +46,7 @@ def test_every_train_option_near_and_past_its_limits_is_accepted_or_refused_in_o
 
 def test_a_job_the_start_up_accepts_trains_at_its_one_device_reference_s_loss():
     # (each case trains two steps twice: the pinned cases and two generated ones)
-    prove("options", 2, {"trained at the reference's loss (fp32)"})
+    prove("options", 2, {"trained at the reference's loss"})
 
 
 def test_a_run_stopped_anywhere_and_resumed_equals_the_run_uninterrupted():

@@ -15,6 +15,7 @@ from object_store import ObjectStore
 from plait.arguments import parse_args
 from plait.checks import validate
 from plait.config import ConfigError
+from plait.data.batch_schedule import BatchSchedule
 
 pytestmark = pytest.mark.slow
 FSDP2 = ["--parallelism.dp_shard", "-1", "--training.steps", "4", "--checkpoint.interval", "2"]
@@ -170,7 +171,7 @@ def test_metrics_and_their_plot_under_a_url_keep_each_step_once_across_a_resume(
     resumed = MetricsLogger("s3://plait/metrics/m.jsonl", "", 2, resumed_step=2, steps=4)
     for step in (3, 4):
         resumed.log(row(step))
-    loader = types.SimpleNamespace(global_batch_size=4, seq_len=64, step=4, sources=[], used=[], num_sequences=[])
+    loader = types.SimpleNamespace(schedule=BatchSchedule(64, 4), step=4, sources=[], used=[], num_sequences=[])
     resumed.finish(summary.build([row(3), row(4)], loader, 1.0, 3.0, None))
     resumed.close()
     assert [json.loads(line)["step"] for line in fs.cat("plait/metrics/m.jsonl").decode().splitlines()] == [1, 2, 3, 4]

@@ -36,7 +36,8 @@ STEP_FOLDER = re.compile(r"step-(\d+)$")
 # (steps too: the schedule decays towards this run's last step) and clipping's. The manifest records
 # them by bare name; a change is said once at resume.
 RESUMABLE = {"lr": "training", "weight_decay": "training", "max_norm": "training", "steps": "training",
-             "warmup_steps": "training",
+             "warmup_steps": "training", "global_batch_size": "training", "batch_rampup": "training",
+             "seq_len_warmup": "training", "phases": "training",
              "lr_schedule": "training", "min_lr_ratio": "training", "decay_fraction": "training",
              "decay_shape": "training", "betas": "optimizer", "eps": "optimizer", "momentum": "optimizer",
              "ns_steps": "optimizer"}
@@ -196,11 +197,12 @@ def saved_model(record: dict, path: Path, option: str) -> dict:
 
 def job_identity(cfg: JobConfig, args: ModelArgs, tokens_sha256: str) -> dict:
     """What makes two runs one job, whose checkpoints they may share: the model, the token stream
-    (corpus and tokenizer, by content), the seed and the batch shape. Layout, steps, lr and the
-    like may change between restarts of one job."""
+    (corpus and tokenizer, by content), the seed and the sequence length (the rows the stream is cut
+    into). Layout, steps, lr, the global batch (the stream goes on in batches of the new size) and
+    the like may change between restarts of one job."""
     t = cfg.training
-    return {"model_args": asdict(args), "tokens_sha256": tokens_sha256[:16],
-            "training.seed": t.seed, "training.global_batch_size": t.global_batch_size, "training.seq_len": t.seq_len}
+    return {"model_args": asdict(args), "tokens_sha256": tokens_sha256[:16], "training.seed": t.seed,
+            "training.seq_len": t.seq_len}
 
 
 def check_owner(root: str, identity: dict) -> None:
@@ -210,7 +212,7 @@ def check_owner(root: str, identity: dict) -> None:
     owner = jsonl.object_or_none(storage.location(root) / OWNER) if root else None
     if owner is not None:
         owner = {**owner, "model_args": saved_model(owner, storage.location(root) / OWNER, "checkpoint.folder")}
-    if owner is not None and owner != identity:
+    if owner is not None and any(owner.get(k) != v for k, v in identity.items()):  # (an older owner's extra keys)
         differ = [f"{k} {owner.get(k)} vs {v}" for k, v in identity.items() if k != "model_args" and owner.get(k) != v]
         theirs, ours = owner.get("model_args") or {}, identity["model_args"]  # the model: each field that differs
         differ += [f"model {name} {theirs.get(name)} vs {ours.get(name)}" for name in sorted({*theirs, *ours})

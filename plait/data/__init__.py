@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from plait import storage
 from plait.config import ConfigError, Data
 from plait.data.mixture import RAW_NEEDS_TOKENIZER, mix_sources
+from plait.data.phases import phase_paths
 from plait.data.documents import fingerprint, load_texts
 from plait.data.loader import BatchLoader, eval_batches
 from plait.data.shards import FORMAT, MANIFEST, TOKENIZER, TokenizedFolder, is_tokenized, write_folder
@@ -31,17 +32,28 @@ __all__ = ["BatchLoader", "Corpus", "build_tokenizer", "eos_id", "eval_batches",
 @dataclass
 class Corpus:
     tokenizer: Tokenizer
-    sources: list[TokenizedFolder]
-    weights: list[float]
+    sources: list[TokenizedFolder]  # the run's own (data.path or data.mix), then those only phases name
+    weights: list[float]  # the run's own sources'
     val: TokenizedFolder | None
+    paths: list[str]  # each source's, as the options give it
 
     @property
     def fingerprint(self) -> str:
-        """The training token streams and their weights, by content: part of a job's identity."""
-        if len(self.sources) == 1:
+        """The run's own token streams and their weights, by content: part of a job's identity
+        (not the phases': a job may gain an anneal when it is resumed)."""
+        if len(self.weights) == 1:
             return self.sources[0].fingerprint
         parts = [f"{s.fingerprint}:{w!r}" for s, w in zip(self.sources, self.weights)]
         return hashlib.sha256(",".join(parts).encode()).hexdigest()
+
+    def phase_weights(self, phases) -> dict[int, list[float]]:
+        """Each phase with a mixture -> its weight for each source."""
+        weights = {}
+        for phase in phases.phases if phases else ():
+            if phase.mix:
+                given = dict(mix_sources(phase.mix, f"training.phases: phase {phase.number}'s mix"))
+                weights[phase.number] = [given.get(path, 0.0) for path in self.paths]
+        return weights
 
 
 def _train_paths(cfg: Data) -> list[tuple[str, float]]:
@@ -74,17 +86,20 @@ def vocab_size(cfg: Data) -> int:
     return given.get_vocab_size() if given is not None else cfg.vocab_size
 
 
-def open_data(cfg: Data, hf_start: Path | None = None) -> Corpus:
+def open_data(cfg: Data, hf_start: Path | None = None, phases: tuple[str, ...] = ()) -> Corpus:
     """The run's tokenizer and token streams; checked, and built where needed, before any process
     group. `hf_start`: the Hugging Face folder the run starts from (checkpoint.load), whose own
-    tokenizer.json data.tokenizer then is unless the user gave one (the messages say which)."""
+    tokenizer.json data.tokenizer then is unless the user gave one (the messages say which);
+    `phases`: training.phases, whose mixtures may name more sources."""
     paths = _train_paths(cfg)
     texts = None if cfg.tokenizer or cfg.mix or is_tokenized(cfg.path) else load_texts(cfg.path, cfg.text_field, cfg.extensions)
     tokenizer = build_tokenizer(cfg, texts)
     option = "data.mix" if cfg.mix else "data.path"
     sources = [open_source(path, cfg, tokenizer, option, texts, hf_start) for path, _ in paths]
+    extra = phase_paths(cfg, phases)  # (raw text among them is tokenized with the run's tokenizer)
+    sources += [open_source(path, cfg, tokenizer, "training.phases", hf_start=hf_start) for path in extra]
     val = open_source(cfg.val_path, cfg, tokenizer, "data.val_path", hf_start=hf_start) if cfg.val_path else None
-    return Corpus(tokenizer, sources, [w for _, w in paths], val)
+    return Corpus(tokenizer, sources, [w for _, w in paths], val, [path for path, _ in paths] + extra)
 
 
 def open_source(path: str, cfg: Data, tokenizer: Tokenizer, option: str, texts: list[str] | None = None,

@@ -11,8 +11,9 @@ from plait.data.shards import is_tokenized
 RAW_NEEDS_TOKENIZER = "data.mix: raw-text sources need data.tokenizer (or tokenize them first: plait tokenize)"
 
 
-def mix_sources(spec: str) -> list[tuple[str, float]]:
-    """data.mix "PATH:WEIGHT,PATH:WEIGHT" -> [(path, weight)]; weights >= 0 with a positive sum."""
+def mix_sources(spec: str, option: str = "data.mix") -> list[tuple[str, float]]:
+    """data.mix "PATH:WEIGHT,PATH:WEIGHT" -> [(path, weight)]; weights >= 0 with a positive sum.
+    `option`: what the messages name (a phase's mix is one too)."""
     sources = []
     for part in spec.split(","):
         path, _, weight = part.strip().rpartition(":")
@@ -21,13 +22,13 @@ def mix_sources(spec: str) -> list[tuple[str, float]]:
         except ValueError:
             value = math.nan
         if not path or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"data.mix: {part.strip()!r} is not PATH:WEIGHT with a finite weight >= 0 "
+            raise ConfigError(f"{option}: {part.strip()!r} is not PATH:WEIGHT with a finite weight >= 0 "
                               '(e.g. data.mix = "web:0.7,code:0.3")')
         if not Path(path).exists():
-            raise ConfigError(f"data.mix: {path!r} does not exist")
+            raise ConfigError(f"{option}: {path!r} does not exist")
         sources.append((path, value))
     if sum(w for _, w in sources) <= 0:
-        raise ConfigError(f"data.mix: the weights of {spec!r} sum to 0; at least one must be > 0")
+        raise ConfigError(f"{option}: the weights of {spec!r} sum to 0; at least one must be > 0")
     return sources
 
 

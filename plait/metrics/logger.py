@@ -31,10 +31,11 @@ class Utilisation:
         self.flops_per_token, self.peak, self.devices = flops_per_token, peak, devices
         self.trusted = peak.flops > 0
 
-    def mfu(self, step: int, tokens_per_sec: float) -> float | None:
+    def mfu(self, step: int, tokens_per_sec: float, flops_per_token: float | None = None) -> float | None:
+        """`flops_per_token`: this step's, where its sequences are shorter (a sequence warm-up)."""
         if not self.trusted:
             return None
-        value = self.flops_per_token * tokens_per_sec / (self.peak.flops * self.devices)
+        value = (flops_per_token or self.flops_per_token) * tokens_per_sec / (self.peak.flops * self.devices)
         if value > 1:
             self.trusted = False
             print(f"plait: warning: step {step} ran at {100 * value:.0f}% of the {self.peak}: that peak was measured "
@@ -102,15 +103,15 @@ class MetricsLogger:
             # purge_step: a TensorBoard already showing the folder forgets the steps dropped from it
             self.writer = SummaryWriter(tensorboard, purge_step=resumed_step + 1)
         self.steps = steps  # the run's last step: always printed, and what the ETA counts down to
-        self.since_line = []  # (step_time, mfu) of the steps since the last printed line
+        self.since_line = []  # (step_time, mfu, tokens) of the steps since the last printed line
 
     def log(self, row: dict) -> None:
         step = row["step"]
-        self.since_line.append((row["step_time"], row["mfu"]))
+        tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # (a growing run's grow: docs/growth.md)
+        self.since_line.append((row["step_time"], row["mfu"], tokens_per_step))
         printed = step % self.log_interval == 0 or step in (1, self.steps) or "eval_time" in row
         if printed:
-            tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # the same every step
-            tokens_per_sec, mean_mfu = run_summary.mean_speed(self.since_line, tokens_per_step)
+            tokens_per_sec, mean_mfu = run_summary.mean_speed(self.since_line)
             mfu = "  n/a " if mean_mfu is None else f"{100 * mean_mfu:5.2f}%"
             eta = round(max(0, self.steps - step) * tokens_per_step / tokens_per_sec)
             self.since_line = []

@@ -23,14 +23,14 @@ def process_age() -> float:
         return 0.0
 
 
-def mean_speed(steps: list[tuple[float, float | None]], tokens_per_step: float) -> tuple[float, float | None]:
-    """(tokens/s, MFU) over `steps`, (step_time, mfu) pairs: the mean speed, and MFU's
+def mean_speed(steps: list[tuple[float, float | None, float]]) -> tuple[float, float | None]:
+    """(tokens/s, MFU) over `steps`, (step_time, mfu, tokens) triples: the mean speed, and MFU's
     time-weighted mean, which is the MFU of that speed (MFU is proportional to tokens/s); MFU
     None where a step has none."""
-    seconds = sum(t for t, _ in steps)
-    mfus = [m for _, m in steps]
-    mfu = None if None in mfus else sum(m * t for t, m in steps) / seconds
-    return len(steps) * tokens_per_step / seconds, mfu
+    seconds = sum(t for t, _, _ in steps)
+    mfus = [m for _, m, _ in steps]
+    mfu = None if None in mfus else sum(m * t for t, m, _ in steps) / seconds
+    return sum(n for _, _, n in steps) / seconds, mfu
 
 
 def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint: Path | None) -> dict:
@@ -39,16 +39,15 @@ def build(rows: list[dict], loader, startup_s: float, wall_s: float, checkpoint:
     `startup_s`: from the start of the run to its first step; `checkpoint`: the newest complete
     one, or None."""
     last = rows[-1] if rows else {}
-    tokens_per_step = loader.global_batch_size * loader.seq_len
     timed = rows[1:] or rows  # the first step's warm-up left out, unless it is the only one
-    tokens_per_sec, mfu = mean_speed([(row["step_time"], row["mfu"]) for row in timed], tokens_per_step) \
-        if timed else (None, None)
+    tokens_per_sec, mfu = mean_speed([(row["step_time"], row["mfu"], loader.schedule.shape(row["step"]).tokens)
+                                      for row in timed]) if timed else (None, None)
     val = [row for row in rows if "val_loss" in row]
     evaluated = [row for row in rows if any(map(is_score, row))]
     summary = {
         "step": loader.step, "steps_run": len(rows), "loss": last.get("loss"),
         "val_loss": val[-1]["val_loss"] if val else None, "val_step": val[-1]["step"] if val else None,
-        "tokens": loader.step * tokens_per_step,
+        "tokens": loader.schedule.tokens_before(loader.step + 1),
         "sources": [{"source": source.label, "sequences": used, "epochs": used / per_epoch}
                     for source, used, per_epoch in zip(loader.sources, loader.used, loader.num_sequences)],
         "wall_time_s": wall_s, "startup_s": startup_s, "first_step_s": rows[0]["step_time"] if rows else None,

@@ -15,25 +15,50 @@ from __future__ import annotations
 import math
 
 from plait.config import ConfigError, JobConfig
+from plait.data.batch_schedule import batch_schedule
 
 DECAY_SHAPES = {"linear": lambda q: q, "sqrt": math.sqrt, "cosine": lambda q: (1 - math.cos(math.pi * q)) / 2}
 
 
-def decay_start(cfg: JobConfig) -> int:
+def decay_start(cfg: JobConfig, steps: float | None = None) -> float:
     """The last step at the peak under `wsd`: decay_fraction of the steps decay after it, and at
     least one (a fraction that rounds to none would leave the peak lr at the last step, where the
-    schedule promises min_lr_ratio x lr)."""
-    t = cfg.training
-    return t.steps - max(1, round(t.decay_fraction * t.steps))
+    schedule promises min_lr_ratio x lr). `steps`: the run's length (under a batch ramp in
+    full steps' worth of tokens); training.steps by default."""
+    steps = cfg.training.steps if steps is None else steps
+    return steps - max(1, round(cfg.training.decay_fraction * steps))
 
 
 def factor(cfg: JobConfig):
+    """Under a batch ramp (training.batch_rampup) the schedule runs on tokens: a step is where the
+    tokens trained through it put the run, counted in full steps (global_batch_size x seq_len
+    tokens), so warmup_steps and the decay span as many tokens as without a ramp, and a ramp's
+    small first steps move the lr as little as they move the weights. A phase with a decay
+    replaces the schedule over its steps."""
     t = cfg.training
-    warmup, steps, floor, shape = t.warmup_steps, t.steps, t.min_lr_ratio, DECAY_SHAPES[t.decay_shape]
-    stable_until = decay_start(cfg)
+    warmup, floor, shape = t.warmup_steps, t.min_lr_ratio, DECAY_SHAPES[t.decay_shape]
+    schedule = batch_schedule(cfg)
+    ramp = bool(t.batch_rampup[1])
+
+    def position(done: int) -> float:
+        return schedule.tokens_before(done + 2) / schedule.full.tokens if ramp else done + 1
+
+    steps = position(t.steps - 1)
+    stable_until = decay_start(cfg, steps)
+
+    def in_phase(done: int) -> float:
+        """A phase's own decay (plait/data/phases.py), from where the run's schedule is at its start
+        to `to` at its last step, over its steps (under a ramp: its tokens)."""
+        phase = schedule.phases.at(done + 1) if schedule.phases else None
+        if phase is None or not phase.decay:
+            return at(done)
+        first, last = schedule.phases.span(phase)
+        start = at(first - 1)
+        progress = (position(done) - position(first - 2)) / (position(last - 1) - position(first - 2))
+        return start + (phase.to - start) * DECAY_SHAPES[phase.decay](progress)
 
     def at(done: int) -> float:
-        step = done + 1
+        step = position(done)
         if step <= warmup:
             return step / warmup
         if t.lr_schedule == "constant":
@@ -45,7 +70,7 @@ def factor(cfg: JobConfig):
             return 1.0
         return 1 - (1 - floor) * shape(min(1.0, (step - stable_until) / (steps - stable_until)))
 
-    return at
+    return in_phase
 
 
 def check_schedule(cfg: JobConfig) -> None:

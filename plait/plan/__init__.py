@@ -100,7 +100,7 @@ def assumptions(base: JobConfig, args: ModelArgs, opts: PlanArgs, cal: Calibrati
     return {"model": f"{base.model.flavor}: {total / 1e9:.3g}B parameters" +
             (f", {active / 1e9:.3g}B active ({args.top_k} of {args.n_experts} experts)" if args.n_experts else ""),
             "batch": f"global batch {t.global_batch_size} x seq {t.seq_len} = {t.global_batch_size * t.seq_len:,} "
-                     f"tokens per step, {base.model.attention_mask} attention",
+                     f"tokens per step, {base.model.attention_mask} attention" + growth(t),
             "precision": f"parameters in {compute} for compute, fp32 master weights, gradients reduced in "
                          f"{'bfloat16' if t.mixed_precision_reduce == 'bfloat16' else 'float32'}, {base.optimizer.name}"
                          + ("" if t.float8 == "none" else f"; float8 {t.float8}: {float8_timing(t.float8, cal)}"),
@@ -110,6 +110,17 @@ def assumptions(base: JobConfig, args: ModelArgs, opts: PlanArgs, cal: Calibrati
                            + ("data parallelism overlaps compute, TP/CP/EP/PP traffic does not" if cal.asynchronous
                               else "none overlaps compute (gloo shares the cores)"),
             "experts": "routing balanced: every rank computes and sends its tokens' share" if args.n_experts else ""}
+
+
+def growth(t) -> str:
+    """A growing or phased run's schedule in words: the rows are its full steps (its largest)."""
+    parts = [f"batch ramp {t.batch_rampup[0]} -> {t.global_batch_size} sequences over {t.batch_rampup[1]:,} tokens"
+             ] if t.batch_rampup[1] else []
+    if t.seq_len_warmup[1]:
+        start, over = t.seq_len_warmup
+        parts.append(f"sequence warm-up {start} -> {t.seq_len} tokens over {over:,} tokens")
+    parts += [f"phase {number} from {text.split()[0]}" for number, text in enumerate(t.phases, 1)]
+    return f"; {', '.join(parts)} (the rows: a full step, the largest)" if parts else ""
 
 
 def bandwidth(curves: dict) -> str:

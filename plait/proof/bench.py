@@ -43,7 +43,8 @@ from plait.proof.trace import idle_fractions, phase_seconds, summarise
 Row = Literal["raw_pytorch", "transformers", "single", "raw_fsdp2", "ddp", "ddp_classic", "fsdp2", "simple_fsdp",
               "simple_fsdp_compiled", "fsdp2_compiled", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "simple_fsdp_tp",
               "pp", "pp_fsdp2", "cp", "single_float8", "fsdp2_float8", "fsdp2_float8_rowwise", "fsdp2_float8_compiled",
-              "fsdp2_mxfp8", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon"]
+              "fsdp2_mxfp8", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon",
+              "fsdp2_untracked"]
 # row: the rows holding the whole state it divides (in order of preference). Sharding holds
 # 1/world of DDP's state per rank; a pipeline stage 1/pp of the single device's.
 STATE_REFERENCES = {"fsdp2": ("ddp", "ddp_classic"), "simple_fsdp": ("ddp", "ddp_classic"), "pp": ("single",)}
@@ -53,6 +54,8 @@ DENSE_TWINS = {"small_moe": "small_moe_dense"}
 ATTENTION_TWINS = {"small_mla": "small_mla_gqa"}
 # The raw loops (plait/proof/baseline.py): row -> the loop's own options.
 RAW = {"raw_pytorch": [], "transformers": ["--model", "transformers"], "raw_fsdp2": []}
+# the recorder off: no hang dumps, no slow-rank checks (docs/diagnostics.md), what they cost is FSDP2's tax against it
+ENVIRONMENT = {"fsdp2_untracked": {"TORCH_FR_BUFFER_SIZE": "0"}}
 # Rows plait plan predicts (it models fully_shard, eager, float8 tensorwise: not the raw loops, classic DDP,
 # SimpleFSDP, compiled, rowwise or MXFP8 rows).
 PREDICTED = ("single", "ddp", "fsdp2", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "pp",
@@ -141,6 +144,7 @@ def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
         "no_mtp": ("FSDP2 without multi-token prediction", nproc, ["--parallelism.dp_shard", n, "--model.mtp_layers", "0"]),
         "single_muon": ("single device, Muon", 1, ["--optimizer.name", "muon"]),
         "fsdp2_muon": ("FSDP2, Muon", nproc, ["--parallelism.dp_shard", n, "--optimizer.name", "muon"]),
+        "fsdp2_untracked": ("FSDP2 without the collective recorder", nproc, ["--parallelism.dp_shard", n]),
     }
 
 
@@ -198,7 +202,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
                    "--profiling.enable", "--profiling.start_step", profiled, "--profiling.steps", "1",
                    "--profiling.folder", str(folder / "trace"), "--model.attention_mask", cfg.attention_mask, *flags,
                    *["--compile.enable"] * compiled]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENVIRONMENT.get(key, {})})
     if proc.returncode != 0:
         raise RuntimeError(f"bench row failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
     lines = proc.stdout if key in RAW else (folder / "metrics.jsonl").read_text()

@@ -13,7 +13,7 @@ FLOAT8_REFERENCES = {"single_float8": "single", "fsdp2_float8": "fsdp2", "fsdp2_
 # Muon rows: the AdamW row of the same layout, whose optimizer step they are compared with.
 MUON_REFERENCES = {"single_muon": "single", "fsdp2_muon": "fsdp2"}
 # plait's row -> the loops it is held against (the framework tax: tokens/s over theirs, same precision).
-TAX_REFERENCES = {"single": ("raw_pytorch", "transformers"), "fsdp2": ("raw_fsdp2",)}
+TAX_REFERENCES = {"single": ("raw_pytorch", "transformers"), "fsdp2": ("raw_fsdp2", "fsdp2_untracked")}
 # Other work's load average, in cores per core, from which the bench did not have the machine to itself.
 BUSY = 0.5
 # Rounds of a row whose tokens/s differ by more than this share of their median: the machine was noisy.
