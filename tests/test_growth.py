@@ -143,7 +143,8 @@ WARM = ["--training.seq_len_warmup", "16", "512", "--training.steps", "4", "--tr
 def test_a_warm_up_under_cp_and_the_document_mask_is_one_device_s_and_resumes_mid_warm_up(tmp_path):
     """Sequences of 16, 32, then 64 tokens (16 -> 64 over 512 tokens; 256 a step). CP2 against one
     device: within the parity matrix's cp bound (tests/test_parity.py: CONTEXT, 1e-6 in fp32).
-    Resumed from step 1, mid-warm-up: steps 2-4 bitwise."""
+    Resumed from step 1, mid-warm-up: steps 2-4 bitwise. And bitwise the fixed-length jobs it is
+    made of, each resumed from the last (a phase from step 1 fixes a job's length: 16, then 32)."""
     single, _ = run_plait(tmp_path, *WARM)
     folder = ["--checkpoint.folder", str(tmp_path / "cp"), "--checkpoint.interval", "1"]
     cp = ["--parallelism.cp", "2", "--parallelism.dp_shard", "1"]
@@ -157,6 +158,13 @@ def test_a_warm_up_under_cp_and_the_document_mask_is_one_device_s_and_resumes_mi
     resumed, proc = run_plait(tmp_path, *WARM, *cp, *folder, nproc=2)
     assert "resumed from" in proc.stdout
     assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in split[1:]]
+    composed, fixed = [], ["--checkpoint.folder", str(tmp_path / "fixed")]
+    lengths = (["--training.phases", "step=1 seq_len=16"], ["--training.phases", "step=1 seq_len=32"], [])
+    for steps, length in zip((1, 2, 4), lengths):
+        rows, _ = run_plait(tmp_path, "--training.steps", str(steps), "--training.global_batch_size", "4", *length, *cp,
+                            *fixed, nproc=2)
+        composed += rows
+    assert [(r["loss"], r["grad_norm"]) for r in composed] == [(r["loss"], r["grad_norm"]) for r in split]
 
 
 @pytest.mark.parametrize("phases, message", [
@@ -186,7 +194,8 @@ def test_a_phase_draws_from_its_mixture_and_decays_the_lr_its_own_way():
     n, p = 50 * 64, 0.75
     assert abs(extras - n * p) <= 4 * (n * p * (1 - p)) ** 0.5, extras  # (4 standard deviations: 1 in 15,000)
 
-    cfg = job("--training.steps", "40", "--training.warmup_steps", "4", "--training.phases", "step=31 decay=sqrt to=0.05")
+    cfg = job("--training.steps", "40", "--training.warmup_steps", "4", "--training.phases",
+              "step=31 decay=sqrt to=0.05")
     at, start = factor(cfg), factor(job("--training.steps", "40", "--training.warmup_steps", "4"))
     assert [at(done) for done in range(30)] == [start(done) for done in range(30)]  # the cosine until step 30
     for done in range(30, 40):  # steps 31-40: sqrt from the cosine's step-31 value to 0.05
@@ -226,7 +235,8 @@ def test_toml_phase_tables_are_training_phases(tmp_path):
     config = tmp_path / "anneal.toml"
     config.write_text('[training]\nsteps = 40\n\n[[phase]]\nstep = 31\ndecay = "linear"\nto = 0\n\n'
                       '[[phase]]\ntokens = 100000\nseq_len = 32\n')
-    assert parse_args(["--config", str(config)]).training.phases == ("step=31 decay=linear to=0", "tokens=100000 seq_len=32")
+    phases = ("step=31 decay=linear to=0", "tokens=100000 seq_len=32")
+    assert parse_args(["--config", str(config)]).training.phases == phases
     config.write_text('phase = "step=3"\n')
     with pytest.raises(ConfigError, match=r"phase is a list of \[\[phase\]\] tables"):
         parse_args(["--config", str(config)])
