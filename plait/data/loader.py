@@ -65,11 +65,12 @@ class BatchLoader:
         self.phase_weights = {number: [w / sum(ws) for w in ws] for number, ws in (phase_weights or {}).items()}
         self.schedule = schedule or BatchSchedule(seq_len, global_batch_size)
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        option = "data.mix" if len(sources) > 1 else "data.path"
-        for source, n in zip(sources, self.num_sequences):
+        option = "data.mix" if len(weights) > 1 else "data.path"
+        for i, (source, n) in enumerate(zip(sources, self.num_sequences)):
             if n < global_batch_size:
                 raise ConfigError(
-                    f"{option}: {getattr(source, 'label', 'the corpus')} has {len(source)} tokens = {n} sequences of "
+                    f"{option if i < self.own else 'training.phases'}: {getattr(source, 'label', 'the corpus')} has "
+                    f"{len(source)} tokens = {n} sequences of "
                     f"training.seq_len={seq_len}, fewer than training.global_batch_size={global_batch_size}")
         self.weights = [w / sum(weights) for w in weights] + [0.0] * (len(sources) - self.own)
         if global_batch_size % (dp_size * micro_batch_size):
