@@ -133,6 +133,8 @@ def validate(cfg: JobConfig, world: int) -> JobConfig:
     if cfg.compile.autograd and p.dp_backend != "ddp":
         raise ConfigError("compile.autograd: compiled autograd silently stops FSDP2's gradient reduction after step 0 "
                           "(torch 2.13); allowed only with --parallelism.dp_backend ddp")
+    if cfg.compile.report and not cfg.compile.enable:
+        raise ConfigError("compile.report: reports what torch.compile did; set compile.enable too")
     if cfg.debug.dtype_probe and cfg.compile.enable:
         raise ConfigError("debug.dtype_probe: the probe records eager ops, and torch.compile cannot trace under it; "
                           "drop --compile.enable to probe")

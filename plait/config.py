@@ -327,10 +327,11 @@ class Compile:
     enable: bool = False
     """torch.compile (inductor): each transformer block, or with dp_backend simple_fsdp the whole model"""
     bucketing: Literal["block", "none"] = "block"
-    """simple_fsdp compiled: block = the compiler merges each transformer block's per-parameter all-gathers
-    (and reduce-scatters) into one; none = one collective per parameter"""
+    """simple_fsdp compiled: block = a block's per-parameter all-gathers (and reduce-scatters) merged into one"""
     autograd: bool = False
     """compiled autograd for backward (dp_backend ddp only: it silently breaks FSDP2)"""
+    report: str = ""
+    """write what the compiler did (graph breaks and their reasons, recompiles after step 2) to this JSON, per rank"""
 
 
 @dataclass

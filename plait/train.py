@@ -22,6 +22,7 @@ from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.manifest import (check_compatible, check_optimizer_kept, check_owner, job_identity,
                                       latest_complete)
 from plait.checks import check_options
+from plait.compile_report import CompileReport
 from plait.config import ConfigError, JobConfig, dp_degree, replica_groups, world_size
 from plait.storage import job_folder
 from plait.data import BatchLoader, eos_id, eval_batches, open_data
@@ -263,6 +264,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     train_step = TrainStep(cfg, args, model, pipeline, optimizer, scheduler, loader, layout, contexts, loss_mesh,
                            replicas, checkpointer, preemption, spikes, device)
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
+    compiled = CompileReport(cfg.compile.report, rank) if cfg.compile.report else None
     rows = []
     float8.precompute_scales(model, cfg)  # (the first step's gathers; each step's after its update)
     startup_s, finished = time.perf_counter() - started, False
@@ -276,6 +278,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
                 float8.precompute_scales(model, cfg)
                 if rank == 0:
                     print(f"plait: healed from a live replica group: continuing at step {step}", flush=True)
+            if compiled:
+                compiled.at_step(step)
             probe = DtypeProbe(contexts, model) if step == done + 1 and cfg.debug.dtype_probe else contextlib.nullcontext()
             with probe, profiler.step(step):
                 trained = train_step(step)
@@ -309,6 +313,8 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
         raise error from None
     finally:  # also when the run fails
         recorder.close()
+        if compiled:
+            compiled.write()
         close_run(cfg, preemption, replicas, checkpointer, logger, rows if finished else None, loader,
                   (startup_s, time.perf_counter() - started))
     return rows

@@ -5,12 +5,15 @@ their intermediates in fp32 registers where eager rounds each op's output to bf1
 below are a few times the differences measured over 6 steps (stated per test).
 """
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import AUTOCAST, BF16, LAYOUTS, STEPS, layout_run, losses, max_abs_diff, run_plait
+from conftest import (AUTOCAST, BF16, LAYOUTS, STEPS, VALIDATE, layout_run, losses, max_abs_diff, run_plait,
+                      validation_text)
 from plait import parallel
 from plait.arguments import parse_args
 from plait.checks import check_options
@@ -18,6 +21,9 @@ from plait.models.flavors import model_args
 from plait.precision import TrainContexts, resolve
 
 pytestmark = pytest.mark.slow
+# Graph breaks still open (issue 69): the MoE layer's routing counts each expert's tokens and
+# splits them by those counts, a data-dependent shape that dynamo leaves to eager.
+KNOWN_BREAKS = {"cp_mla": {"Dynamic shape operator", "Data dependent operator"}}
 CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2",
                "--training.mixed_precision_mode", "autocast"]
 
@@ -53,10 +59,20 @@ CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", 
 def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mode, tolerance):
     eager, _ = layout_run(train_once, layout, precision, mode)  # shared with the parity tests
     world, args = LAYOUTS[layout]
-    compiled, _ = run_plait(tmp_path, *STEPS, *args, *precision, *mode, "--compile.enable", nproc=world)
+    (tmp_path / "val.txt").write_text(validation_text())  # (evaluations after steps 3 and 6, as the eager run's)
+    compiled, _ = run_plait(tmp_path, *STEPS, *args, *precision, *mode, *VALIDATE, "--data.val_path",
+                            str(tmp_path / "val.txt"), "--compile.enable", "--compile.report",
+                            str(tmp_path / "compiled.json"), nproc=world)
     diff = max_abs_diff(losses(eager), losses(compiled))
     print(f"\ncompiled vs eager, {layout} {' '.join(precision + mode) or 'fp32'}: max |loss diff| {diff:.2e}")
     assert diff <= tolerance
+    # what the compiler did, every rank: no graph break (but the MoE layer's, below), nothing
+    # compiled again after step 2 (an evaluation's no-gradient graph is compiled once, listed apart)
+    for rank in range(world):
+        report = json.loads((tmp_path / f"compiled.rank{rank}.json").read_text())
+        assert {b["reason"] for b in report["graph_breaks"]} <= KNOWN_BREAKS.get(layout, set()), report
+        assert report["recompiles_after_step_2"] == [], report
+        assert {graph["step"] for graph in report["evaluation_graphs"]} == {3}, report  # (none at step 6's)
 
 
 def _compiled_autograd_ddp(rank, world, store_path, results):
