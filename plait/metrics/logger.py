@@ -107,7 +107,7 @@ class MetricsLogger:
 
     def log(self, row: dict) -> None:
         step = row["step"]
-        tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # (a growing run's grow: docs/growth.md)
+        tokens_per_step = row["tokens_per_sec"] * row["step_time"]  # (a growing run's steps differ: docs/growth.md)
         self.since_line.append((row["step_time"], row["mfu"], tokens_per_step))
         printed = step % self.log_interval == 0 or step in (1, self.steps) or "eval_time" in row
         if printed:
