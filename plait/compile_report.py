@@ -49,12 +49,24 @@ class CompileReport:
             "evaluation_graphs": self.evaluation_graphs,
             "graphs_after_step_2": graphs - self.settled_graphs if self.settled_graphs is not None else 0,
         }
-        path = Path(self.path)
-        path = path.with_name(f"{path.stem}.rank{self.rank}{path.suffix or '.json'}")
+        path = rank_path(self.path, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))
         torch._logging.set_logs()  # (dynamo's logging back to its defaults)
         return path
+
+
+def rank_path(path: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes the report asked for at `path`: report.json -> report.rank0.json."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix or '.json'}")
+
+
+def counts(path: Path) -> dict:
+    """A written report's graph breaks and recompiles after step 2, counted (the bench's columns)."""
+    report = json.loads(path.read_text())
+    return {"graph_breaks": sum(b["count"] for b in report["graph_breaks"]),
+            "recompiles": len(report["recompiles_after_step_2"])}
 
 
 class _Records(logging.Handler):

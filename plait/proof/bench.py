@@ -1,17 +1,16 @@
 """`plait bench`: layouts x precisions measured side by side in one invocation.
 
-Each row is a real `plait train` run (under torchrun for world > 1) on the same model, data
-and batch. The yardsticks for plait's overhead are the plainest PyTorch loops
-(plait/proof/baseline.py): `raw_pytorch` (plait's model), `transformers` (transformers' model of
-the same config.json) and `raw_fsdp2` (plait's model under bare fully_shard at the distributed
-rows' world). Per row and precision: tokens/s and
-MFU (medians over the steps after warm-up), tokens/s over the raw loop's in the same precision,
-peak memory, the exact memory of parameters + gradients + optimizer state on rank 0, and the
-collectives rank 0 issues per step, counted in a profiler trace of one extra step after the
-measured ones. Not a warm-up step: the profiler's buffers stay resident once freed, so on a CPU
-they would raise the peak memory of every later step (by about 1 GiB on small). Machines are noisy:
-only ratios between rows of one invocation mean much, and `--rounds` runs the rows in turn
-several times and keeps each row's median.
+Each row is a real `plait train` run (under torchrun for world > 1) on the same model, data and
+batch. The yardsticks for plait's overhead are the plainest PyTorch loops (plait/proof/baseline.py):
+`raw_pytorch` (plait's model), `transformers` (transformers' model of the same config.json) and
+`raw_fsdp2` (plait's model under bare fully_shard at the distributed rows' world). Per row and
+precision: tokens/s and MFU (medians over the steps after warm-up), tokens/s over the raw loop's in
+the same precision (compiled: also rank 0's graph breaks and recompiles), peak memory, the exact
+memory of parameters + gradients + optimizer state on rank 0, and the collectives rank 0 issues per
+step, counted in a profiler trace of one extra step after the measured ones. Not a warm-up step: the
+profiler's buffers stay resident once freed, so on a CPU they would raise the peak memory of every
+later step (by about 1 GiB on small). Machines are noisy: only ratios between rows of one invocation
+mean much, and `--rounds` runs the rows in turn several times and keeps each row's median.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Literal
 import torch
 
 from plait.arguments import parse
+from plait.compile_report import counts, rank_path
 from plait.config import ConfigError, Data, Flavor
 from plait.data import build_tokenizer
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
@@ -201,7 +201,7 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
                    "--training.threads", str(cfg.threads), "--metrics.jsonl", str(folder / "metrics.jsonl"),
                    "--profiling.enable", "--profiling.start_step", profiled, "--profiling.steps", "1",
                    "--profiling.folder", str(folder / "trace"), "--model.attention_mask", cfg.attention_mask, *flags,
-                   *["--compile.enable"] * compiled]
+                   *(["--compile.enable", "--compile.report", str(folder / "compile.json")] if compiled else [])]
     proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENVIRONMENT.get(key, {})})
     if proc.returncode != 0:
         raise RuntimeError(f"bench row failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
@@ -209,7 +209,9 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
     rows = [json.loads(line) for line in lines.split("\n") if line.startswith("{")]  # "\n" only: plait/jsonl.py
     measured = [r for r in rows if cfg.warmup < r["step"] <= cfg.steps]
     if compiled:
-        return {"compiled_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured)}
+        return {"compiled_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
+                **({f"compiled_{k}": n for k, n in counts(rank_path(folder / "compile.json", 0)).items()}
+                   if key not in RAW else {})}  # (rank 0's graph breaks and recompiles after step 2)
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
             # None where the peak proved untrustworthy (plait.metrics.logger.Utilisation): no number beats a wrong one.
             "mfu": None if None in (mfus := [r["mfu"] for r in measured]) else statistics.median(mfus),

@@ -86,11 +86,13 @@ def plan_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
 
 
 def compiled_cell(row: dict, dtype: str) -> str:
-    """A row's compiled tokens/s and its ratio to the same row eager."""
+    """A row's compiled tokens/s, its ratio to the same row eager and what the compiler did."""
     if f"{dtype}_compiled_tokens_per_sec" not in row:
         return "-"
     tokens = row[f"{dtype}_compiled_tokens_per_sec"]
-    return f"{tokens:.0f} ({tokens / row[f'{dtype}_tokens_per_sec']:.2f}x)"
+    compiler = f", {row[f'{dtype}_compiled_graph_breaks']} graph breaks, {row[f'{dtype}_compiled_recompiles']} " \
+        "recompiles" if f"{dtype}_compiled_graph_breaks" in row else ""  # (after step 2; a raw loop has none counted)
+    return f"{tokens:.0f} ({tokens / row[f'{dtype}_tokens_per_sec']:.2f}x{compiler})"
 
 
 def tax_lines(rows: list[dict], dtypes: list[str]) -> list[str]:
