@@ -21,10 +21,13 @@ SETTLED = 2  # compilations up to this step are the first ones (step 1's, and st
 
 
 class CompileReport:
-    def __init__(self, path: str, rank: int):
+    """`first`: the run's first step (after a resume, the step after the checkpoint's): "after step
+    2" counts from there, as a resumed run compiles its graphs again."""
+
+    def __init__(self, path: str, rank: int, first: int = 1):
         from torch._dynamo.utils import counters
 
-        self.path, self.rank, self.counters = path, rank, counters
+        self.path, self.rank, self.counters, self.settles = path, rank, counters, first + SETTLED
         self.step, self.recompiles, self.evaluation_graphs, self.settled_graphs = 0, [], [], None
         torch._logging.set_logs(recompiles=True)
         self.log = logging.getLogger("torch._dynamo.guards.__recompiles")
@@ -33,7 +36,7 @@ class CompileReport:
 
     def at_step(self, step: int) -> None:
         """Called before each step: compilations from here on belong to it."""
-        if step == SETTLED + 1:
+        if step == self.settles:
             self.settled_graphs = self.counters["stats"]["unique_graphs"]
         self.step = step
 
@@ -45,7 +48,7 @@ class CompileReport:
             "graph_breaks": [{"reason": reason.strip().splitlines()[0], "count": count}
                              for reason, count in self.counters["graph_break"].items()],
             "graphs": graphs,
-            "recompiles_after_step_2": [r for r in self.recompiles if r["step"] > SETTLED],
+            "recompiles_after_step_2": [r for r in self.recompiles if r["step"] >= self.settles],
             "evaluation_graphs": self.evaluation_graphs,
             "graphs_after_step_2": graphs - self.settled_graphs if self.settled_graphs is not None else 0,
         }

@@ -264,7 +264,7 @@ def _train(cfg: JobConfig, args, corpus, identity: dict, device: torch.device, s
     train_step = TrainStep(cfg, args, model, pipeline, optimizer, scheduler, loader, layout, contexts, loss_mesh,
                            replicas, checkpointer, preemption, spikes, device)
     profiler = StepProfiler(cfg.profiling, done + 1, t.steps, device.type)
-    compiled = CompileReport(cfg.compile.report, rank) if cfg.compile.report else None
+    compiled = CompileReport(cfg.compile.report, rank, done + 1) if cfg.compile.report else None
     rows = []
     float8.precompute_scales(model, cfg)  # (the first step's gathers; each step's after its update)
     startup_s, finished = time.perf_counter() - started, False
