@@ -178,7 +178,7 @@ FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
 MXFP8 = ["--training.float8", "mxfp8"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
-QWEN3, QWEN2, OLMO2 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2"))
+QWEN3, QWEN2, OLMO2, OLMO3 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2", "olmo3"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
 # DeepSeek-V3's sequence-wise balance loss at 1000x its 0.0001: strong enough that a layout's
@@ -279,6 +279,13 @@ LAYOUTS = {
     "pp_qwen2": (2, [*QWEN2, *PP2]),
     "single_olmo2": (1, [*OLMO2, "--training.micro_batch_size", "2"]),
     "tp_olmo2": (2, [*OLMO2, *degrees(1, 1, tp=2)]),
+    # OLMo 3 (debug_olmo3): OLMo 2's norms, a sliding block and a full one, each with its own RoPE
+    # (YaRN on the full block): the tables by block kind, as each layout hands RoPE's rows on
+    "single_olmo3": (1, [*OLMO3, "--training.micro_batch_size", "2"]),
+    "fsdp2_olmo3": (2, [*OLMO3, *degrees(1, 2)]),
+    "tp_olmo3": (2, [*OLMO3, *degrees(1, 1, tp=2)]),
+    "pp_olmo3": (2, [*OLMO3, *PP2]),
+    "cp_olmo3": (2, [*OLMO3, *CP2, "--training.micro_batch_size", "2"]),
     # A sliding block (window 8: half a cp2 chunk) on a global one, Qwen3-shaped (debug_sliding)
     "single_sliding": (1, [*SLIDING, "--training.micro_batch_size", "2"]),
     "fsdp2_sliding": (2, [*SLIDING, *degrees(1, 2)]),

@@ -39,6 +39,12 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
     "olmo2": ("Olmo2Config", dict(attention_bias=True, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
         "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5})),
+    # three sliding blocks (windows of 8), then a full one; their RoPE apart: YaRN on the full block,
+    # another base on the sliding ones
+    "olmo3": ("Olmo3Config", dict(sliding_window=8, rope_parameters={
+        "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                           "original_max_position_embeddings": 64},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # block 3 has no RoPE, and slides
     "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=4, tie_word_embeddings=True, use_sliding_window=True,
                                       sliding_window=8)),
@@ -121,6 +127,35 @@ def test_logits_equal_transformers(folders, family):
 
 
 @pytest.mark.parametrize("family", CONFIGS)
+def test_the_loss_and_whole_gradient_equal_transformers(folders, tmp_path, family):
+    """One batch's loss and every parameter's gradient, plait's against transformers' (its gradients
+    saved as a folder's weights and read by plait's reader: in plait's names and RoPE order)."""
+    from plait import hf
+
+    ours, _ = plait_model(folders(family))
+    theirs = make_hf_model(family).train()
+    tokens = torch.randint(0, VOCAB, (2, 65), generator=torch.Generator().manual_seed(1))
+    loss = ours.train()(tokens[:, :-1], labels=tokens[:, 1:])
+    their_loss = theirs(tokens, labels=tokens).loss
+    (loss + 0 * sum(p.sum() for p in ours.parameters())).backward()  # (an expert no token chose: a zero gradient)
+    their_loss.backward()
+    with torch.no_grad():  # (saved by transformers itself: its names on disk, experts one by one)
+        for p in theirs.parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    grads = tmp_path / "gradients"
+    theirs.save_pretrained(grads)
+    their_grads = hf.HFWeights(grads, ours.args, "gradients")
+    differences = {name: (p.grad - their_grads[name]).norm() for name, p in ours.named_parameters()}
+    whole = torch.stack(list(differences.values())).norm() / torch.stack(
+        [their_grads[name].norm() for name in differences]).norm()
+    print(f"\n{family}: loss {loss.item():.6f} vs {their_loss.item():.6f}; |gradient - transformers'| / |theirs| "
+          f"{whole:.2e}")
+    # fp32: the loss within 2 ulps (measured 0 to 1), the gradient as the logits (other kernel orders;
+    # measured 1.2e-7 to 1.1e-6, OLMo 3's the most: a post-norm model, YaRN)
+    assert abs(loss.item() - their_loss.item()) <= 2e-6 and whole <= 1e-5
+
+
+@pytest.mark.parametrize("family", CONFIGS)
 def test_greedy_generation_equals_transformers(folders, family, capsys):
     from plait.cli import main
 
@@ -198,6 +233,9 @@ OMITTED = {
     "smollm3-rope_parameters": ("smollm3", ("rope_parameters",), {}),  # rope_theta 2e6
     "smollm3-tie_word_embeddings": ("smollm3", ("tie_word_embeddings",), {}),  # tied
     "mixtral-rope_parameters": ("mixtral", ("rope_parameters",), {}),  # rope_theta 1e6
+    # OLMo 3's class gives a top-level rope_theta to the full blocks alone; the sliding ones keep 5e5
+    "olmo3-rope_parameters": ("olmo3", ("rope_parameters",), {"rope_theta": 10000.0}),
+    "olmo3-layer_types": ("olmo3", ("layer_types",), {}),  # three sliding blocks, then a full one
 }
 
 
@@ -267,6 +305,13 @@ NULLS = {
     "deepseek_v3-num_key_value_heads": ("deepseek_v3", {"num_key_value_heads": None}, None),  # the heads
     "mistral-head_dim": ("mistral", {"head_dim": None}, None),  # hidden_size / heads
     "mixtral-sliding_window": ("mixtral", {"sliding_window": None}, None),  # no window
+    "olmo3-sliding_window": ("olmo3", {"sliding_window": None}, "sets sliding_window null; allowed: an integer"),
+    "olmo3-rope_parameters-flat": ("olmo3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+                                   "allowed: an object of full_attention and sliding_attention objects"),
+    # YaRN's truncate by layer type: transformers reads it from rope_parameters itself (none): truncated
+    "olmo3-yarn-truncate": ("olmo3", {"rope_parameters": {"full_attention": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32,
+        "truncate": False}}}, None),
 }
 
 
@@ -396,7 +441,7 @@ def test_the_nulls_plait_reads_are_transformers():
 
     from plait.hf.defaults import NULLABLE, READ
 
-    fails = {"gpt_oss": {"sliding_window"},  # (range(None))
+    fails = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"},  # (range(None); torch.tensor(None))
              "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace"}}
     for family, nullable in NULLABLE.items():
         types = {f.name: str(f.type) for f in dataclasses.fields(type(transformers.AutoConfig.for_model(family)))}
@@ -407,7 +452,7 @@ def test_rope_parameters_win_over_a_top_level_rope_theta_as_in_transformers():
     """transformers 5 writes rope_theta inside rope_parameters and, given both, takes that one."""
     from transformers import LlamaConfig
 
-    from plait.hf.config import rope_settings
+    from plait.hf.rope_fields import rope_settings
 
     both = {"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
     sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,
@@ -419,7 +464,8 @@ def test_rope_parameters_win_over_a_top_level_rope_theta_as_in_transformers():
 def test_plan_predicts_each_family_flavor(capsys):
     from plait.cli import main
 
-    for flavor in ("qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "smollm3_3b", "deepseek_v3_16b"):
+    for flavor in ("qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "olmo3_32b", "smollm3_3b",
+                   "deepseek_v3_16b"):
         assert main(["plan", "--world", "8", "--device_memory_gib", "80", "--model.flavor", flavor,
                      "--training.seq_len", "4096", "--training.global_batch_size", "32",
                      "--training.micro_batch_size", "4"]) == 0

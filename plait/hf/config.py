@@ -1,8 +1,8 @@
-"""A Hugging Face `config.json` (Llama and its relatives: Mistral, Qwen2/2.5, Qwen3, OLMo 2,
+"""A Hugging Face `config.json` (Llama and its relatives: Mistral, Qwen2/2.5, Qwen3, OLMo 2 and 3,
 SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss) <-> plait's ModelArgs.
 
-Both layouts of the RoPE fields are read: the classic `rope_theta` + `rope_scaling`, and the
-`rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
+Both layouts of the RoPE fields are read (plait/hf/rope_fields.py): the classic `rope_theta` +
+`rope_scaling`, and the `rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
 either carried over exactly or refused by name: a model loaded into the wrong function would
 train on silently. Every field is read through plait/hf/fields.py: left out, the family's
 default (plait/hf/defaults.py); null, or of the wrong type, as transformers reads it or refused.
@@ -18,20 +18,10 @@ import torch
 from plait import jsonl
 from plait.config import ConfigError
 from plait.hf.deepseek import deepseek_fields, deepseek_switches, holds_mtp
-from plait.hf.defaults import DEFAULTS, ROPE_SCALING
+from plait.hf.defaults import DEFAULTS
 from plait.hf.fields import Fields, family_fields
-from plait.jsonl import is_number
+from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings
 from plait.models.flavors import ModelArgs
-
-ROPE_FIELDS = {"linear": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-               "yarn": ("factor", "original_max_position_embeddings")}
-# Fields a scaling type may set and otherwise defaults (plait/models/rope.py has the defaults);
-# mscale_all_dim under any type: DeepSeek-V3's softmax scale (`softmax_scale`) takes it from each.
-ROPE_OPTIONAL = {"linear": ("mscale_all_dim",), "llama3": ("mscale_all_dim",),
-                 "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
-ROPE_OBJECT = "an object (rope_type and its fields) or null"
-
 
 def is_hf_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file()
@@ -41,41 +31,10 @@ def read_config(folder: Path, option: str) -> dict:
     return jsonl.document(folder / "config.json", option)
 
 
-def rope_settings(config: dict, family: str, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) as transformers reads them; scaling None, or {"rope_type", its fields}.
-    The scaling is rope_scaling's, else rope_parameters' (transformers 5's layout), else, both null or
-    left out, the family's default; rope_theta is that object's, else the top-level one, else the family's."""
-    fields = family_fields(config, family, where)
-    name = "rope_scaling" if fields.table("rope_scaling", ROPE_OBJECT) else "rope_parameters"
-    scaling = fields.table(name, ROPE_OBJECT)
-    if scaling is None:
-        scaling, name = dict(ROPE_SCALING.get(family, {})), "rope_scaling"
-    rope = Fields(scaling, where, nullable={f for kind in ROPE_OPTIONAL.values() for f in kind}, name=name)
-    theta = rope.number("rope_theta") if rope.has("rope_theta") else fields.number("rope_theta")
-    kind = rope.text("rope_type" if rope.has("rope_type") else "type") or "default"
-    for holder in (rope, fields):  # (transformers moves a top-level one into the RoPE object)
-        if holder.has("partial_rotary_factor") and holder.number("partial_rotary_factor") != 1.0:
-            raise ConfigError(f"{where}: partial_rotary_factor {holder.config['partial_rotary_factor']}: plait rotates "
-                              "every pair of a head; allowed: 1.0")
-    if kind == "default":
-        return theta, None
-    if kind not in ROPE_FIELDS:
-        rope.refuse("rope_type" if rope.has("rope_type") else "type", f"default, {', '.join(ROPE_FIELDS)} (the RoPE "
-                    "scalings plait implements)")
-    missing = [f for f in ROPE_FIELDS[kind] if not rope.has(f)]
-    if missing:
-        raise ConfigError(f"{where}: RoPE scaling '{kind}' lacks {', '.join(missing)}")
-    numbers = {f: rope.typed(f, is_number, "a number") for f in (*ROPE_FIELDS[kind], *ROPE_OPTIONAL.get(kind, ()))
-               if f != "truncate"}
-    # A null optional field is left out, as transformers reads it; but truncate, which it reads as
-    # .get("truncate", True): null is false.
-    optional = {"truncate": bool(rope.flag("truncate"))} if kind == "yarn" and rope.has("truncate") else {}
-    return theta, {"rope_type": kind, **{f: v for f, v in numbers.items() if v is not None}, **optional}
-
-
 # model_type -> the architecture transformers builds for it. Each is Llama with switches.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
+            "smollm3": "SmolLM3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
@@ -105,7 +64,7 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
                      "moe_hidden": fields.integer("moe_intermediate_size", required=True),
                      "normalize_top_k": fields.flag("norm_topk_prob"),
                      "dense_layers": tuple(i for i in range(n_layers) if i in dense or (i + 1) % step)}
-    if family == "olmo2":
+    if family in ("olmo2", "olmo3"):
         switches |= {"qk_norm": "projection", "post_norm": True}
     if family == "smollm3":
         switches["nope_layers"] = nope_layers(fields, n_layers)
@@ -139,7 +98,7 @@ def window_switches(fields: Fields, family: str, n_layers: int) -> dict:
     in the blocks layer_types names (Qwen's default: from max_window_layers on; SmolLM3's: the
     blocks without RoPE); Qwen3-MoE in every block; gpt-oss in the blocks layer_types names
     (default: every other block from the first)."""
-    if family not in ("mistral", "mixtral", "gpt_oss") and not fields.flag("use_sliding_window"):
+    if family not in ("mistral", "mixtral", "gpt_oss", "olmo3") and not fields.flag("use_sliding_window"):
         if family == "smollm3" and fields.config.get("sliding_window") and "sliding_attention" in (
                 fields.texts("layer_types", n_layers) or []):
             # (its masks slide there, its flash-attention path does not: which one the folder means is unknown)
@@ -160,6 +119,8 @@ def window_switches(fields: Fields, family: str, n_layers: int) -> dict:
                  for i in layers]
     if types is None and family == "gpt_oss":
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers]
+    if types is None and family == "olmo3":  # three sliding blocks, then a full one
+        types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in layers]
     if types is None and family == "smollm3":
         types = ["sliding_attention" if i in nope_layers(fields, n_layers) else "full_attention" for i in layers]
     full = tuple(i for i in layers if types is not None and types[i] != "sliding_attention")
@@ -190,7 +151,11 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                           "then save_pretrained")
     if fields.text("hidden_act", "'silu'") != "silu":
         raise ConfigError(f"{where} sets hidden_act {config['hidden_act']!r}; allowed: 'silu'")
-    theta, scaling = rope_settings(config, family, where)
+    if family in LAYERED:
+        (theta, scaling), local = layered_rope_settings(config, family, where)
+        local_rope = {} if local == (theta, scaling) else {"local_rope_theta": local[0], "local_rope_scaling": local[1]}
+    else:
+        (theta, scaling), local_rope = rope_settings(config, family, where), {}
     # (sizes have no default: a missing one is refused by name)
     dim, heads = fields.integer("hidden_size", required=True), fields.integer("num_attention_heads", required=True)
     n_layers = fields.integer("num_hidden_layers", required=True)
@@ -200,7 +165,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                      ffn_hidden=fields.integer("intermediate_size", required=True),
                      head_dim=fields.integer("head_dim") or dim // heads, norm_eps=fields.number("rms_norm_eps"),
                      rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer("max_position_embeddings"),
-                     tie_embeddings=fields.flag("tie_word_embeddings"), family=family,
+                     tie_embeddings=fields.flag("tie_word_embeddings"), family=family, **local_rope,
                      **family_switches(fields, family, n_layers))
     # DeepSeek-V3's MTP module, where the folder holds its weights (transformers' saves do not)
     return replace(args, mtp_layers=args.mtp_layers * holds_mtp(folder, args.n_layers)) if args.mtp_layers else args
@@ -225,9 +190,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         "architectures": [FAMILIES[args.family]], "model_type": args.family, "hidden_act": "silu",
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        # (null would read as the family's default scaling: gpt-oss's YaRN)
-        "rope_scaling": args.rope_scaling or ({"rope_type": "default"} if args.family in ROPE_SCALING else None),
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, **rope_fields(args),
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -277,8 +240,8 @@ def window_fields(args: ModelArgs) -> dict:
                               f"full-attention blocks {list(args.full_layers)} among sliding ones (export it as qwen3)")
         fields = {"sliding_window": args.sliding_window or None}
         return fields | ({"use_sliding_window": bool(args.sliding_window)} if args.family == "qwen3_moe" else {})
-    if args.family == "gpt_oss":  # (its model needs a window even where no block slides: the class's default)
-        return {"sliding_window": args.sliding_window or DEFAULTS["gpt_oss"]["sliding_window"], "layer_types": types}
+    if args.family in ("gpt_oss", "olmo3"):  # (their models need a window where no block slides: the class's default)
+        return {"sliding_window": args.sliding_window or DEFAULTS[args.family]["sliding_window"], "layer_types": types}
     if args.family in ("qwen2", "qwen3", "smollm3"):
         fields = {"use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None,
                   "layer_types": types}

@@ -38,6 +38,8 @@ DEFAULTS = {
     "qwen2": COMMON | QWEN | QWEN_DENSE,
     "qwen3": COMMON | QWEN | QWEN_DENSE | {"head_dim": 128, "attention_bias": False},
     "olmo2": COMMON | {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False},
+    "olmo3": COMMON | {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 2048,
+                       "attention_bias": False, "sliding_window": 4096, "layer_types": None},
     "smollm3": COMMON | {"num_key_value_heads": 4, "rope_theta": 2000000.0, "max_position_embeddings": 32768,
                          "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
                          "use_sliding_window": False, "sliding_window": None, "layer_types": None, "no_rope_layers": None,
@@ -73,6 +75,7 @@ QWEN_NULLABLE = {"num_key_value_heads", "sliding_window", "layer_types"}
 NULLABLE = {
     "llama": {"num_key_value_heads", "head_dim"}, "mistral": {"head_dim", "sliding_window"},
     "qwen2": QWEN_NULLABLE, "qwen3": QWEN_NULLABLE, "olmo2": {"num_key_value_heads"},
+    "olmo3": {"num_key_value_heads", "layer_types"},
     "smollm3": QWEN_NULLABLE | {"no_rope_layers"}, "qwen3_moe": {"sliding_window", "mlp_only_layers"},
     "gpt_oss": {"layer_types"},
     "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},

@@ -27,6 +27,10 @@ class ModelArgs:
     # None, or {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
     # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     rope_scaling: dict | None = None
+    # The sliding blocks' own RoPE (OLMo 3, Gemma 3: local and global layers rotate by bases or
+    # scalings of their own): its base and scaling; 0 = as every other block.
+    local_rope_theta: float = 0.0
+    local_rope_scaling: dict | None = None
     family: str = "llama"  # the Hugging Face model_type it is exported as
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     out_bias: bool = False  # a bias on the attention's output projection (with qkv_bias: attention_bias)
@@ -111,6 +115,10 @@ class ModelArgs:
         """Block `block`'s attention window (0: the whole sequence)."""
         return 0 if block in self.full_layers else self.sliding_window
 
+    def local_rope(self, block: int) -> bool:
+        """Whether block `block` rotates by the sliding blocks' own RoPE."""
+        return bool(self.local_rope_theta and self.window(block))
+
     @property
     def windows(self) -> tuple[int, ...]:
         """The distinct windows of the blocks, ascending (0: a block over the whole sequence)."""
@@ -133,6 +141,12 @@ GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embe
                 "beta_slow": 1.0, "truncate": False}
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+# OLMo 3's switches: OLMo 2's norms, three 4096-key sliding blocks to one full one, YaRN (8x an
+# original 8192) on the full blocks alone
+OLMO3 = dict(norm_eps=1e-6, max_seq_len=65536, qk_norm="projection", post_norm=True, sliding_window=4096,
+             full_layers=tuple(range(3, 32, 4)), rope_theta=500000.0, local_rope_theta=500000.0, family="olmo3",
+             rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                           "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0})
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -147,6 +161,13 @@ FLAVORS = {
                              qkv_bias=True, family="qwen2"),
     "debug_olmo2": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
                              qk_norm="projection", post_norm=True, family="olmo2"),
+    # OLMo 3: OLMo 2's norms with a sliding block (windows of 8) before a full one, YaRN on the full
+    # block alone (the sliding one rotates by the base without it, as OLMo 3's do)
+    "debug_olmo3": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                             qk_norm="projection", post_norm=True, sliding_window=8, full_layers=(1,),
+                             rope_theta=500000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32},
+                             local_rope_theta=500000.0, family="olmo3"),
     # gpt-oss's attention on Qwen3's shape: a local block on a global one, a window of 8 keys
     # (shorter than the tests' documents and than a cp 2 chunk of their 64-token sequences), and
     # attention sinks. (Exported nowhere: Qwen3 has no sinks.)
@@ -165,6 +186,10 @@ FLAVORS = {
     "olmo2_1b": ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=100352, ffn_hidden=8192,
                           norm_eps=1e-6, rope_theta=500000.0, max_seq_len=4096, qk_norm="projection", post_norm=True,
                           family="olmo2"),
+    "olmo3_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=100278, ffn_hidden=11008,
+                          **OLMO3),
+    "olmo3_32b": ModelArgs(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, vocab_size=100278, ffn_hidden=27648,
+                           **OLMO3 | {"full_layers": tuple(range(3, 64, 4))}),
     "smollm3_3b": ModelArgs(dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, vocab_size=128256, ffn_hidden=11008,
                             norm_eps=1e-6, rope_theta=5000000.0, max_seq_len=65536, tie_embeddings=True,
                             nope_layers=tuple(range(3, 36, 4)), family="smollm3"),

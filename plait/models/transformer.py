@@ -96,6 +96,7 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleDict({str(k): TokenPredictor(args, args.n_layers + k) for k in range(args.mtp_layers)})
         self.mtp_scale, self.mtp_records = 0.0, []
         self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.register_buffer("local_rope", torch.empty(0), persistent=False)  # (the sliding blocks' own, if any)
         self.reset_buffers()
 
     def blocks(self) -> list[TransformerBlock]:
@@ -104,10 +105,12 @@ class Transformer(nn.Module):
         return [*self.layers.values(), *(predictor.block for predictor in self.mtp.values())]
 
     def reset_buffers(self) -> None:
-        """(Re)compute the RoPE table: after `to_empty` a non-persistent buffer holds garbage."""
+        """(Re)compute the RoPE tables: after `to_empty` a non-persistent buffer holds garbage."""
         device = next(self.parameters()).device
         a = self.args
         self.rope = rope_table(a.rope_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
+        if a.local_rope_theta:
+            self.local_rope = rope_table(a.rope_dim, a.max_seq_len, a.local_rope_theta, a.local_rope_scaling).to(device)
         for moe in moe_layers(self):  # (a checkpoint's router biases are loaded after this)
             if moe.router.bias is not None:
                 moe.router.bias.zero_()
@@ -127,8 +130,10 @@ class Transformer(nn.Module):
         x = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
         start = cache.length if cache is not None else 0
         rope = self.rope[positions] if positions is not None else self.rope[start:]
-        for layer in self.layers.values():
-            x = layer(x, rope, mask=mask, cache=cache)
+        local = rope if not self.args.local_rope_theta else \
+            self.local_rope[positions] if positions is not None else self.local_rope[start:]
+        for name, layer in self.layers.items():
+            x = layer(x, local if self.args.local_rope(int(name)) else rope, mask=mask, cache=cache)
         if next_tokens is not None and len(self.mtp) and torch.is_grad_enabled():
             x = self.predict_further(x, rope, mask, *next_tokens)
         if cache is not None:

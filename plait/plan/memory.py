@@ -273,12 +273,14 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
 
 def rope_rows_bytes(args: ModelArgs, cfg: JobConfig, sequences: int) -> int:
     """What a forward given positions (the document mask, or cp) keeps besides the blocks,
-    shared by every layer: each token's RoPE rows (fp32). (No mask: each query block builds its
+    shared by every layer: each token's RoPE rows (fp32), of each table (the sliding blocks' own
+    too, where they rotate apart). (No mask: each query block builds its
     own from the document ids, which come with the batch, as its tokens and positions do:
     inputs, not activations.)"""
     if cfg.model.attention_mask == "causal" and cfg.parallelism.cp == 1:
         return 0
-    return sequences * cfg.training.seq_len // cfg.parallelism.cp * args.rope_dim * 4
+    tables = 2 if args.local_rope_theta else 1
+    return tables * sequences * cfg.training.seq_len // cfg.parallelism.cp * args.rope_dim * 4
 
 
 def activation_bytes(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: int) -> int:

@@ -22,6 +22,7 @@ import torch
 from hypothesis import strategies as st
 
 from plait.config import ConfigError
+from plait.hf.rope_fields import LAYERED
 from plait.proof.fuzz import Counterexample, Generator
 
 VOCAB, SEQ = 320, 40  # (windows are at most 16 keys: every window is shorter than the batch)
@@ -124,6 +125,9 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
                                    "rope_scaling"]))
     if layout == "null":
         config[draw(st.sampled_from(["rope_parameters", "rope_scaling"]))] = None
+    elif layout == "rope_parameters" and family in LAYERED:  # (an object per layer type, either left out)
+        kinds = draw(st.sets(st.sampled_from(["full_attention", "sliding_attention"])))
+        config[layout] = {kind: draw(rope(rope_head)) for kind in sorted(kinds)}
     elif layout != "absent":
         config[layout] = draw(rope(rope_head))
         if layout == "rope_scaling":  # (the classic layout: rope_theta beside it)
@@ -155,7 +159,7 @@ def nullable_fields(family: str) -> frozenset[str]:
 RARELY_NULL = {"rope_interleave"}
 # Fields typed `X | None` whose null transformers' model then fails on (tests/test_families.py's
 # table of nulls checks plait refuses them): cases spent on them are skipped, so none are drawn.
-FAILS_ON_NULL = {"gpt_oss": {"sliding_window"},
+FAILS_ON_NULL = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"},
                  "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace",
                                  "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank"}}
 
