@@ -12,13 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-
-Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_405b", "debug_qwen3", "debug_qwen2",
-                 "debug_olmo2", "debug_olmo3", "debug_sliding", "qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b",
-                 "olmo3_7b", "olmo3_32b", "smollm3_3b", "debug_moe", "debug_moe_sigmoid", "small_moe",
-                 "small_moe_dense", "qwen3_30b_a3b", "qwen3_235b_a22b", "debug_gpt_oss", "gpt_oss_20b", "gpt_oss_120b",
-                 "debug_mla", "small_mla", "small_mla_gqa", "deepseek_v3_16b", "deepseek_v3_671b", "kimi_k2_1t"]
-ModelFlavor = Literal["auto", Flavor]
+from plait.flavor_names import ModelFlavor
 
 
 class ConfigError(ValueError):

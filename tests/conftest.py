@@ -178,7 +178,8 @@ FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
 MXFP8 = ["--training.float8", "mxfp8"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
-QWEN3, QWEN2, OLMO2, OLMO3 = (["--model.flavor", f"debug_{family}"] for family in ("qwen3", "qwen2", "olmo2", "olmo3"))
+QWEN3, QWEN2, OLMO2, OLMO3, GLM = (["--model.flavor", f"debug_{family}"]
+                                   for family in ("qwen3", "qwen2", "olmo2", "olmo3", "glm4_moe"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
 # DeepSeek-V3's sequence-wise balance loss at 1000x its 0.0001: strong enough that a layout's
@@ -325,6 +326,14 @@ LAYOUTS = {
     "single_moe_mx_mb1": (1, [*MOE, *MXFP8, "--training.micro_batch_size", "1"]),
     "ep2_moe_mx": (2, [*MOE, *MXFP8, *EP2]),
     "ep2_fsdp2_moe_mx": (4, [*MOE, *MXFP8, *EP2]),
+    # GLM-4.5 (debug_glm4_moe): DeepSeek-V3's router and shared expert on grouped-query attention
+    # with q/k/v biases and q/k norms, RoPE on half of each head
+    "single_glm4_moe": (1, [*GLM, "--training.micro_batch_size", "2"]),
+    "fsdp2_glm4_moe": (2, [*GLM, *degrees(1, 2)]),
+    "tp_glm4_moe": (2, [*GLM, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "ep2_glm4_moe": (2, [*GLM, *EP2]),
+    "pp_glm4_moe": (2, [*GLM, *PP2]),
+    "cp_glm4_moe": (2, [*GLM, *CP2, "--training.micro_batch_size", "2"]),
     "single_mla_f8": (1, [*MLA, *FLOAT8, "--training.micro_batch_size", "2"]),  # (the MTP module's layers too)
     "fsdp2_mla_f8": (2, [*MLA, *FLOAT8, *degrees(1, 2)]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their

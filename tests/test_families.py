@@ -70,6 +70,13 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
         first_k_dense_replace=1, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707})),
+    # GLM-4.5: q/k/v biases, per-head q/k norm, RoPE on half of each head (YaRN over those pairs),
+    # DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, scaled) with a shared expert, block 0 dense
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        head_dim=32, attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=48, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5})),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -381,7 +388,8 @@ def plait_model_args(folder):
 
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB)
 EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4),
-                "gpt_oss": dict(num_local_experts=4), "deepseek_v3": dict(n_routed_experts=16, moe_intermediate_size=48)}
+                "gpt_oss": dict(num_local_experts=4), "deepseek_v3": dict(n_routed_experts=16, moe_intermediate_size=48),
+                "glm4_moe": dict(n_routed_experts=16, moe_intermediate_size=48)}
 
 
 @pytest.mark.parametrize("family", ["llama", *CONFIGS])

@@ -193,7 +193,7 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
     gemma = variant("gemma", model_type="gemma2")
     assert one_line(*train, str(gemma)) == (
         f"plait: error: checkpoint.load: {gemma / 'config.json'} holds a model_type 'gemma2' model; plait reads llama, "
-        "mistral, qwen2, qwen3, olmo2, olmo3, smollm3, qwen3_moe, mixtral, gpt_oss, deepseek_v3")
+        "mistral, qwen2, qwen3, olmo2, olmo3, smollm3, qwen3_moe, mixtral, gpt_oss, deepseek_v3, glm4_moe")
     # Fields of a family plait reads that change the model in a way plait does not compute (the
     # same ConfigError as above, read in this process: no run each).
     from plait import hf
@@ -209,7 +209,8 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
                            ": RoPE scaling 'yarn' lacks original_max_position_embeddings"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                             "partial_rotary_factor": 0.5}}, ": partial_rotary_factor 0.5: plait")]:
+                                             "partial_rotary_factor": 0.5}},
+                           ": partial_rotary_factor 0.5: llama's model rotates every pair")]:
         with pytest.raises(ConfigError, match="config.json" + ("" if named.startswith(":") else " ") + re.escape(named)):
             hf.model_args(variant("_".join(map(str, fields.values())), **fields), "checkpoint.load")
     missing = variant("missing", sharded=True)

@@ -120,7 +120,14 @@ MOE_BOUNDS = {("simple_fsdp_moe", "fp32"): BITWISE,  # (measured: data paralleli
               ("ep2_fsdp2_mla", "fp32"): MOE_REORDERED,  # (world 4: 4.8e-7, the loss and the MTP loss)
               ("hsdp_mla", "fp32"): MOE_REORDERED,
               ("tp_mla", "fp32"): MOE_REORDERED, ("tp_mla", "bf16"): MLA_TP_BF16,
-              ("fsdp2_mla_f8", "fp32"): BITWISE}  # (float8 as for fsdp2_f8: scales over the same values)
+              ("fsdp2_mla_f8", "fp32"): BITWISE,  # (float8 as for fsdp2_f8: scales over the same values)
+              # GLM-4.5 (debug_glm4_moe: DeepSeek-V3's router on grouped-query attention with biases, q/k
+              # norms and RoPE on half of each head): the same mechanisms, measured bitwise (FSDP2 fp32
+              # and bf16, PP2), 4.8e-7 (TP2, EP2) and 9.5e-7 (CP2); bf16 EP2 2.3e-4
+              ("fsdp2_glm4_moe", "fp32"): BITWISE, ("fsdp2_glm4_moe", "bf16"): BITWISE,
+              ("pp_glm4_moe", "fp32"): BITWISE, ("tp_glm4_moe", "fp32"): FP32_REORDERED,
+              ("ep2_glm4_moe", "fp32"): FP32_REORDERED, ("ep2_glm4_moe", "bf16"): BF16_REORDERED,
+              ("cp_glm4_moe", "fp32"): MOE_REORDERED}
 # Muon against the single device with Muon. Each matrix is orthogonalised whole in fp32 from the
 # same momentum, by the same kernels, wherever it meets: data parallelism (every backend, the
 # matrices spread over the shard ranks by all-to-all) and the pipeline are bitwise in fp32 as

@@ -20,7 +20,8 @@ from plait.config import ConfigError
 from plait.hf.deepseek import deepseek_fields, deepseek_switches, holds_mtp
 from plait.hf.defaults import DEFAULTS
 from plait.hf.fields import Fields, family_fields
-from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings
+from plait.hf.glm import glm_fields, glm_switches
+from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings, rotary_fraction
 from plait.models.flavors import ModelArgs
 
 def is_hf_folder(folder: Path) -> bool:
@@ -36,7 +37,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
             "smollm3": "SmolLM3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM"}
+            "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
 ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
@@ -44,7 +45,7 @@ UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_soft
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
                "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe")
 
 
 def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
@@ -76,6 +77,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
                      "swiglu_alpha": fields.number("swiglu_alpha"), "attention_sinks": True}
     if family == "deepseek_v3":
         switches |= deepseek_switches(fields)
+    if family == "glm4_moe":
+        switches |= glm_switches(fields)
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
         switches |= {"n_experts": fields.integer("num_local_experts", required=True),
                      "top_k": fields.integer("num_experts_per_tok"),
@@ -159,11 +162,16 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     # (sizes have no default: a missing one is refused by name)
     dim, heads = fields.integer("hidden_size", required=True), fields.integer("num_attention_heads", required=True)
     n_layers = fields.integer("num_hidden_layers", required=True)
+    head_dim = fields.integer("head_dim") or dim // heads
+    rotary = int(head_dim * rotary_fraction(config, family, where))  # (as transformers rounds it)
+    if rotary < 2 or rotary % 2:
+        raise ConfigError(f"{where} sets partial_rotary_factor {rotary_fraction(config, family, where)}: RoPE would "
+                          f"rotate {rotary} of a head's {head_dim} entries; allowed: a share giving pairs")
     args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads,
                      n_kv_heads=fields.integer("num_key_value_heads") or heads,
                      vocab_size=fields.integer("vocab_size", required=True),
                      ffn_hidden=fields.integer("intermediate_size", required=True),
-                     head_dim=fields.integer("head_dim") or dim // heads, norm_eps=fields.number("rms_norm_eps"),
+                     head_dim=head_dim, rotary_dim=rotary % head_dim, norm_eps=fields.number("rms_norm_eps"),
                      rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer("max_position_embeddings"),
                      tie_embeddings=fields.flag("tie_word_embeddings"), family=family, **local_rope,
                      **family_switches(fields, family, n_layers))
@@ -183,7 +191,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         raise ConfigError(f"checkpoint: a {args.family} model has no Hugging Face architecture plait writes "
                           f"({why.get(args.family, 'no family has its switches')}); exported families: "
                           f"{', '.join(FAMILIES)}")
-    if args.qkv_bias != args.out_bias and args.family != "qwen2":
+    if args.qkv_bias != args.out_bias and args.family not in ("qwen2", "glm4_moe"):
         raise ConfigError(f"checkpoint: a {args.family} config.json has one attention_bias for q/k/v and the output "
                           "projection; this model has biases on only some")
     computed = {
@@ -208,6 +216,11 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed |= deepseek_fields(args) | {"attention_bias": args.qkv_bias}
     elif args.kv_lora_rank:
         raise ConfigError(f"checkpoint: a {args.family} config.json has no latent attention (export it as deepseek_v3)")
+    if args.family == "glm4_moe":
+        computed |= glm_fields(args)
+    elif args.rotary_dim:
+        raise ConfigError(f"checkpoint: a {args.family} config.json rotates every entry of a head; this model rotates "
+                          f"{args.rotary_dim} of {args.head_dim} (export it as glm4_moe)")
     if args.family == "smollm3":
         computed["no_rope_layers"] = [int(i not in args.nope_layers) for i in range(args.n_layers)]
     computed |= window_fields(args)

@@ -30,11 +30,21 @@ def deepseek_switches(fields: Fields) -> dict:
     if not fields.flag("rope_interleave"):
         raise ConfigError(f"{where} sets rope_interleave {json.dumps(config['rope_interleave'])} (RoPE over halves of "
                           "the rope entries); plait reads DeepSeek's interleaved pairs; allowed: true")
+    return {"q_lora_rank": fields.integer("q_lora_rank", minimum=0) or 0,
+            "kv_lora_rank": fields.integer("kv_lora_rank"), "qk_nope_head_dim": fields.integer("qk_nope_head_dim"),
+            "qk_rope_head_dim": fields.integer("qk_rope_head_dim"), "v_head_dim": fields.integer("v_head_dim"),
+            **grouped_router_switches(fields)}
+
+
+def grouped_router_switches(fields: Fields) -> dict:
+    """The sigmoid router over groups of experts with a balancing bias and shared experts, the
+    dense first blocks and the MTP module, as DeepSeek-V3's and GLM-4.5's config.json set them."""
+    config, where = fields.config, fields.where
     mtp_field = "num_mtp_layers" if "num_mtp_layers" in config and "num_nextn_predict_layers" not in config else \
         "num_nextn_predict_layers"
     mtp = config.get(mtp_field, 1)  # (transformers: 1; null: none, as transformers, which computes none, reads it)
     if mtp is not None and not (is_int(mtp) and 0 <= mtp <= 1):
-        raise ConfigError(f"{where} sets {mtp_field} {json.dumps(mtp)}; plait trains DeepSeek-V3's one MTP module; "
+        raise ConfigError(f"{where} sets {mtp_field} {json.dumps(mtp)}; plait trains one MTP module; "
                           "allowed: 0 or 1")
     groups, top_groups = fields.integer("n_group"), fields.integer("topk_group")
     experts, top_k = fields.integer("n_routed_experts", required=True), fields.integer("num_experts_per_tok")
@@ -43,10 +53,7 @@ def deepseek_switches(fields: Fields) -> dict:
         raise ConfigError(f"{where} sets n_group {groups}, topk_group {top_groups} for {experts} experts of which "
                           f"{top_k} are chosen; allowed: n_group dividing the experts into groups of at least 2, "
                           "topk_group at most n_group, and the chosen groups holding at least num_experts_per_tok")
-    return {"q_lora_rank": fields.integer("q_lora_rank", minimum=0) or 0,
-            "kv_lora_rank": fields.integer("kv_lora_rank"), "qk_nope_head_dim": fields.integer("qk_nope_head_dim"),
-            "qk_rope_head_dim": fields.integer("qk_rope_head_dim"), "v_head_dim": fields.integer("v_head_dim"),
-            "n_experts": experts, "top_k": top_k, "moe_hidden": fields.integer("moe_intermediate_size", required=True),
+    return {"n_experts": experts, "top_k": top_k, "moe_hidden": fields.integer("moe_intermediate_size", required=True),
             "router": "sigmoid", "n_shared_experts": fields.integer("n_shared_experts"),
             "route_scale": fields.number("routed_scaling_factor"),
             "normalize_top_k": bool(fields.flag("norm_topk_prob")), "mtp_layers": mtp or 0,
@@ -83,9 +90,13 @@ def deepseek_fields(args: ModelArgs) -> dict:
     return {"q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
             "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
             "v_head_dim": args.v_head_dim, "head_dim": args.qk_rope_head_dim, "num_key_value_heads": args.n_heads,
-            "n_routed_experts": args.n_experts, "num_experts_per_tok": args.top_k,
+            "rope_interleave": True, **grouped_router_fields(args)}
+
+
+def grouped_router_fields(args: ModelArgs) -> dict:
+    """config.json's fields of the grouped sigmoid router, the dense first blocks and the MTP module."""
+    return {"n_routed_experts": args.n_experts, "num_experts_per_tok": args.top_k,
             "moe_intermediate_size": args.moe_hidden, "n_shared_experts": args.n_shared_experts,
             "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.normalize_top_k,
             "n_group": args.n_groups or 1, "topk_group": args.topk_groups or 1,
-            "first_k_dense_replace": len(args.dense_layers), "rope_interleave": True,
-            "num_nextn_predict_layers": args.mtp_layers}
+            "first_k_dense_replace": len(args.dense_layers), "num_nextn_predict_layers": args.mtp_layers}

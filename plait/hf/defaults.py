@@ -22,7 +22,8 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "no_rope_layers", "no_rope_layer_interval", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
         "norm_topk_prob", "router_jitter_noise", "final_logit_softcapping", "attn_logit_softcapping", "swiglu_limit",
         "swiglu_alpha", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "rope_interleave")
+        "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",
+        "use_qk_norm")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -54,6 +55,10 @@ DEFAULTS = {
                              "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                              "v_head_dim": 128, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8,
                              "topk_group": 4, "first_k_dense_replace": 3, "rope_interleave": True},
+    "glm4_moe": COMMON | {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                          "attention_bias": False, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                          "n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                          "first_k_dense_replace": 1, "use_qk_norm": False},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
@@ -79,5 +84,6 @@ NULLABLE = {
     "smollm3": QWEN_NULLABLE | {"no_rope_layers"}, "qwen3_moe": {"sliding_window", "mlp_only_layers"},
     "gpt_oss": {"layer_types"},
     "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},
+    "glm4_moe": set(),
     "mixtral": {"head_dim", "sliding_window"},
 }

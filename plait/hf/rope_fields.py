@@ -21,6 +21,25 @@ ROPE_OPTIONAL = {"linear": ("mscale_all_dim",), "llama3": ("mscale_all_dim",),
 ROPE_OBJECT = "an object (rope_type and its fields) or null"
 
 
+# The families whose attention rotates only part of each head, and the share their config class
+# gives where config.json says none (GLM-4.5's sets 0.5).
+PARTIAL_ROTARY = {"glm4_moe": 0.5}
+
+
+def rotary_fraction(config: dict, family: str, where: str) -> float:
+    """partial_rotary_factor as transformers reads it: the RoPE object's (rope_scaling, else
+    rope_parameters), else the top-level one (which the config class moves into it), else the family's."""
+    fields = family_fields(config, family, where)
+    name = "rope_scaling" if fields.table("rope_scaling", ROPE_OBJECT) else "rope_parameters"
+    rope = Fields(fields.table(name, ROPE_OBJECT) or {}, where, name=name)
+    for holder in (rope, fields):
+        if holder.has("partial_rotary_factor"):
+            factor = holder.typed("partial_rotary_factor", lambda v: is_number(v) and 0 < v <= 1,
+                                  "a number in (0, 1]")
+            return float(factor)
+    return PARTIAL_ROTARY.get(family, 1.0)
+
+
 def rope_settings(config: dict, family: str, where: str, label: str = "") -> tuple[float, dict | None]:
     """(rope_theta, scaling) as transformers reads them; scaling None, or {"rope_type", its fields}.
     The scaling is rope_scaling's, else rope_parameters' (transformers 5's layout), else, both null or
@@ -35,10 +54,10 @@ def rope_settings(config: dict, family: str, where: str, label: str = "") -> tup
                   name=label or name)
     theta = rope.number("rope_theta") if rope.has("rope_theta") else fields.number("rope_theta")
     kind = rope.text("rope_type" if rope.has("rope_type") else "type") or "default"
-    for holder in (rope, fields):  # (transformers moves a top-level one into the RoPE object)
+    for holder in (rope, fields) if family not in PARTIAL_ROTARY else ():  # (`rotary_fraction` reads it there)
         if holder.has("partial_rotary_factor") and holder.number("partial_rotary_factor") != 1.0:
-            raise ConfigError(f"{where}: partial_rotary_factor {holder.config['partial_rotary_factor']}: plait rotates "
-                              "every pair of a head; allowed: 1.0")
+            raise ConfigError(f"{where}: partial_rotary_factor {holder.config['partial_rotary_factor']}: {family}'s "
+                              "model rotates every pair of a head; allowed: 1.0")
     if kind == "default":
         return theta, None
     if kind not in ROPE_FIELDS:

@@ -39,8 +39,9 @@ RoPE layout: plait (like Meta's reference) rotates interleaved pairs (x0, x1), (
 of each head; Hugging Face rotates the two halves (x_i, x_{i+d/2}). The rotation is the same
 once each head's entries of the query and key projections are reordered: plait entry 2i -> HF
 entry i, plait 2i+1 -> HF i + d/2 (`to_hf_rope_order`; `from_hf_rope_order` is its inverse),
-in wq and wk's rows, their biases and the q/k norms' weights alike. (Blocks without RoPE are
-reordered too: q and k permuted alike leave every q.k, so the model, unchanged.)
+in wq and wk's rows, their biases and the q/k norms' weights alike; where RoPE rotates a head's
+first `rotary_dim` entries alone (GLM-4.5), those are reordered and the rest stay. (Blocks
+without RoPE are reordered too: q and k permuted alike leave every q.k, so the model, unchanged.)
 """
 
 from __future__ import annotations
@@ -161,14 +162,19 @@ def gpt_oss_merged(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tens
     return tensor
 
 
-def to_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+def to_hf_rope_order(weight: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
+    """Each head's first `rotary` entries (those RoPE rotates) from interleaved pairs to halves."""
     heads = weight.shape[0] // head_dim
-    return weight.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+    head = weight.reshape(heads, head_dim, -1)
+    rotated = head[:, :rotary].unflatten(1, (rotary // 2, 2)).transpose(1, 2).flatten(1, 2)
+    return torch.cat([rotated, head[:, rotary:]], 1).reshape(weight.shape)
 
 
-def from_hf_rope_order(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+def from_hf_rope_order(weight: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
     heads = weight.shape[0] // head_dim
-    return weight.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+    head = weight.reshape(heads, head_dim, -1)
+    rotated = head[:, :rotary].unflatten(1, (2, rotary // 2)).transpose(1, 2).flatten(1, 2)
+    return torch.cat([rotated, head[:, rotary:]], 1).reshape(weight.shape)
 
 
 def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Path, dtype: torch.dtype,
@@ -185,7 +191,7 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
                 tensors[hf_names(name, args)[0]] = merged.to(dtype).contiguous()
             continue
         if name.endswith(ROPE_ORDERED) and not args.kv_lora_rank:
-            tensor = to_hf_rope_order(tensor, args.head_dim)
+            tensor = to_hf_rope_order(tensor, args.head_dim, args.rope_dim)
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
             tensors[hf] = piece.to(dtype).contiguous()
@@ -282,7 +288,7 @@ def parameter_shapes(args: ModelArgs) -> tuple[list[str], dict[str, torch.Size]]
 
 def buffer_names(args: ModelArgs) -> list[str]:
     """The buffers a family's folder holds (DeepSeek-V3's routers' balancing biases)."""
-    if args.family != "deepseek_v3":
+    if args.family not in ("deepseek_v3", "glm4_moe"):
         return []
     return [f"layers.{i}.{ROUTER_BIAS}" for i in range(args.n_layers) if args.sparse(i)] + \
         [f"mtp.{k}.block.{ROUTER_BIAS}" for k in range(args.mtp_layers) if args.sparse(args.n_layers + k)]
@@ -308,7 +314,7 @@ class HFWeights(Mapping):
             if self.args.family == "gpt_oss" and ".experts." in name:
                 tensor = gpt_oss_expert(name, tensor).contiguous()
             if name.endswith(ROPE_ORDERED) and not self.args.kv_lora_rank:
-                tensor = from_hf_rope_order(tensor, self.args.head_dim)
+                tensor = from_hf_rope_order(tensor, self.args.head_dim, self.args.rope_dim)
         except RuntimeError:  # (a shape the reordering cannot take: refused below)
             tensor = None
         if tensor is None or tensor.shape != self.shapes[name]:

@@ -165,7 +165,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
-        self.qk_norm, self.rope = args.qk_norm, rope
+        self.qk_norm, self.rope, self.rotary = args.qk_norm, rope, args.rope_dim
         if args.qk_norm == "head":  # one weight of head_dim, shared by every head
             self.q_norm, self.k_norm = RMSNorm(args.head_dim, args.norm_eps), RMSNorm(args.head_dim, args.norm_eps)
         elif args.qk_norm == "projection":  # a weight per entry of the projection (split with the heads under TP)
@@ -182,7 +182,9 @@ class Attention(nn.Module):
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
+        if self.rope and self.rotary < self.head_dim:  # (the rest of each head passes unrotated)
+            q, k = (torch.cat([apply_rope(t[..., :self.rotary], rope), t[..., self.rotary:]], -1) for t in (q, k))
+        elif self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to every earlier position's keys and values too
             k, v = cache.extend(self, k, v, self.core.window)

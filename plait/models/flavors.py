@@ -22,6 +22,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 8192
     head_dim: int = 0  # 0 = dim / n_heads; Hugging Face configs may give another
+    rotary_dim: int = 0  # the entries of each query and key head RoPE rotates, the first ones (0: all; GLM-4.5: half)
     ffn_hidden: int = 0  # 0 = from dim, ffn_dim_multiplier and multiple_of, as Meta's reference
     tie_embeddings: bool = False  # the output layer multiplies by the embedding matrix itself
     # None, or {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
@@ -105,7 +106,7 @@ class ModelArgs:
     @property
     def rope_dim(self) -> int:
         """The entries of a query or key head that RoPE rotates (under latent attention: its RoPE part)."""
-        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.rotary_dim or self.head_dim
 
     def sparse(self, block: int) -> bool:
         """Whether block `block` is a mixture of experts."""
@@ -147,6 +148,10 @@ OLMO3 = dict(norm_eps=1e-6, max_seq_len=65536, qk_norm="projection", post_norm=T
              full_layers=tuple(range(3, 32, 4)), rope_theta=500000.0, local_rope_theta=500000.0, family="olmo3",
              rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
                            "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0})
+# GLM-4.5's switches, both sizes: half of each 128-entry head rotated, biases on q/k/v, 8 of the
+# experts and a shared one, one MTP module
+GLM4_5 = dict(vocab_size=151552, norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=131072, rotary_dim=64,
+              qkv_bias=True, top_k=8, n_shared_experts=1, router="sigmoid", mtp_layers=1, family="glm4_moe")
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -244,6 +249,19 @@ FLAVORS = {
                            family="deepseek_v3",
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # GLM-4.5: grouped-query attention with q/k/v biases and a per-head q/k norm, RoPE on half of
+    # each head, DeepSeek-V3's router (groups, a balancing bias, a shared expert, the first blocks
+    # dense, scaled weights) and its MTP module. The CPU test size keeps every switch but MTP (8
+    # experts in 4 groups); GLM-4.5-Air and GLM-4.5 for plan.
+    "debug_glm4_moe": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                                rotary_dim=16, qkv_bias=True, qk_norm="head", n_experts=8, top_k=2, moe_hidden=64,
+                                n_shared_experts=1, router="sigmoid", route_scale=2.5, n_groups=4, topk_groups=2,
+                                dense_layers=(0,), family="glm4_moe"),
+    "glm4_5_air": ModelArgs(dim=4096, n_layers=46, n_heads=96, n_kv_heads=8, head_dim=128, ffn_hidden=10944,
+                            moe_hidden=1408, n_experts=128, dense_layers=(0,), **GLM4_5),
+    "glm4_5": ModelArgs(dim=5120, n_layers=92, n_heads=96, n_kv_heads=8, head_dim=128, ffn_hidden=12288,
+                        moe_hidden=1536, n_experts=160, dense_layers=(0, 1, 2), route_scale=2.5, qk_norm="head",
+                        **GLM4_5),
     # A CPU benchmark size (small_moe's width and experts) and its twin with grouped-query attention
     "small_mla": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=0, ffn_hidden=1024,
                            kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_experts=8,
@@ -302,7 +320,7 @@ def shrunk(args: ModelArgs, vocab_size: int) -> ModelArgs:
     groups = min(args.n_groups, 2)
     return replace(
         args, vocab_size=vocab_size, dim=64, n_layers=2, n_heads=heads, n_kv_heads=max(1, heads * args.n_kv_heads // args.n_heads),
-        head_dim=16, ffn_hidden=128, nope_layers=tuple(i for i in args.nope_layers if i < 2),
+        head_dim=16, rotary_dim=8 if args.rotary_dim else 0, ffn_hidden=128, nope_layers=tuple(i for i in args.nope_layers if i < 2),
         full_layers=tuple(i for i in args.full_layers if i < 2), dense_layers=tuple(i for i in args.dense_layers if i < 2),
         n_experts=experts, top_k=min(args.top_k, 2 if groups else experts), moe_hidden=32 if args.moe_hidden else 0,
         n_groups=groups, topk_groups=min(args.topk_groups, groups),

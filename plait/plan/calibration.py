@@ -248,7 +248,7 @@ class Operators(TorchDispatchMode):
 
 def shrunk(args, n_layers: int, dense: bool = False):
     """The model's structure (heads, norms, biases, experts) at a few elements per dimension."""
-    return replace(args, dim=8 * args.n_heads, head_dim=8, n_layers=n_layers, vocab_size=64, ffn_hidden=32,
+    return replace(args, dim=8 * args.n_heads, head_dim=8, rotary_dim=4 if args.rotary_dim else 0, n_layers=n_layers, vocab_size=64, ffn_hidden=32,
                    moe_hidden=16 if args.moe_hidden else 0, dense_layers=tuple(range(n_layers)) if dense else (),
                    nope_layers=(), n_experts=0 if dense else args.n_experts, top_k=0 if dense else args.top_k)
 

@@ -36,8 +36,9 @@ import tyro
 from torch import nn
 
 from plait import host_memory
-from plait.config import Data, Flavor, Training
+from plait.config import Data, Training
 from plait.data import build_tokenizer, eos_id
+from plait.flavor_names import Flavor
 from plait.hardware import linear_shapes, peak_flops
 from plait.models.masking import document_ids, positions_in_documents
 from plait.metrics.logger import Utilisation, peak_memory_gib, state_memory_gib

@@ -31,8 +31,9 @@ import torch
 
 from plait.arguments import parse
 from plait.compile_report import counts, rank_path
-from plait.config import ConfigError, Data, Flavor
+from plait.config import ConfigError, Data
 from plait.data import build_tokenizer
+from plait.flavor_names import Flavor
 from plait.hardware import device_name, linear_shapes, native_bf16, peak_flops, pick_device
 from plait.hf.config import FAMILIES as HF_FAMILIES
 from plait.models.flavors import FLAVORS, model_args
@@ -56,8 +57,7 @@ ATTENTION_TWINS = {"small_mla": "small_mla_gqa"}
 RAW = {"raw_pytorch": [], "transformers": ["--model", "transformers"], "raw_fsdp2": []}
 # the recorder off: no hang dumps, no slow-rank checks (docs/diagnostics.md), what they cost is FSDP2's tax against it
 ENVIRONMENT = {"fsdp2_untracked": {"TORCH_FR_BUFFER_SIZE": "0"}}
-# Rows plait plan predicts (it models fully_shard, eager, float8 tensorwise: not the raw loops, classic DDP,
-# SimpleFSDP, compiled, rowwise or MXFP8 rows).
+# Rows plan predicts (fully_shard, eager, tensorwise float8; no raw loop, classic DDP, SimpleFSDP, compile, MXFP8)
 PREDICTED = ("single", "ddp", "fsdp2", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "pp",
              "pp_fsdp2", "cp", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon",
              "single_float8", "fsdp2_float8")

@@ -22,7 +22,7 @@ from typing import Literal
 
 from plait.arguments import parse, parse_args
 from plait.checks import check_options
-from plait.config import Flavor
+from plait.flavor_names import Flavor
 from plait.plan import model_shape
 from plait.plan.memory import activation_bytes
 from plait.proof.bench import BenchConfig, run_row

@@ -28,7 +28,7 @@ from plait.proof.fuzz import Counterexample, Generator
 VOCAB, SEQ = 320, 40  # (windows are at most 16 keys: every window is shorter than the batch)
 LOGITS_BOUND = 1e-5  # fp32, as tests/test_families.py: measured <= 5e-7, other kernel orders
 EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
-           "deepseek_v3": "n_routed_experts"}
+           "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
 ABSENT = object()  # a field left out of config.json
 
 
@@ -81,11 +81,13 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
               "hidden_size": draw(st.sampled_from([32, 64])), "intermediate_size": draw(st.sampled_from([24, 48])),
               "num_hidden_layers": layers, "num_attention_heads": heads, "eos_token_id": 0, "pad_token_id": None}
     head_dim = draw(st.sampled_from([8, 16]))
-    experts = draw(st.sampled_from([4, 8] if family == "deepseek_v3" else [2, 4, 8]))
+    grouped = family in ("deepseek_v3", "glm4_moe")  # (DeepSeek-V3's router: groups of at least 2 experts)
+    experts = draw(st.sampled_from([4, 8] if grouped else [2, 4, 8]))
     if family in EXPERTS:  # (sizes: a default is one published model's, hundreds of experts)
         config |= {EXPERTS[family]: experts, "moe_intermediate_size": draw(st.sampled_from([16, 32]))}
-    if family == "deepseek_v3":  # (its defaults, 128 key heads and 8 experts a token, fit no small model)
-        config |= {"num_key_value_heads": heads, "num_experts_per_tok": draw(st.integers(1, 2))}
+    if grouped:  # (their defaults, 128 or 8 key heads and 8 experts a token, fit no small model)
+        config |= {"num_key_value_heads": heads if family == "deepseek_v3" else draw(st.sampled_from([1, heads])),
+                   "num_experts_per_tok": draw(st.integers(1, 2))}
     groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]))
     layer_list = st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=layers, max_size=layers)
     legal = {
@@ -108,7 +110,7 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
         "v_head_dim": st.sampled_from([8, 24]), "n_shared_experts": st.integers(0, 2),
         "routed_scaling_factor": st.sampled_from([1.0, 2.5]), "n_group": st.just(groups),
         "topk_group": st.integers(1, groups), "first_k_dense_replace": st.integers(0, layers),
-        "rope_interleave": st.sampled_from([True, True, True, False]),
+        "rope_interleave": st.sampled_from([True, True, True, False]), "use_qk_norm": st.booleans(),
     }
     nullable = nullable_fields(family)
     for name in class_fields(family):
