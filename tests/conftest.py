@@ -178,8 +178,8 @@ FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
 MXFP8 = ["--training.float8", "mxfp8"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
-QWEN3, QWEN2, OLMO2, OLMO3, GLM = (["--model.flavor", f"debug_{family}"]
-                                   for family in ("qwen3", "qwen2", "olmo2", "olmo3", "glm4_moe"))
+QWEN3, QWEN2, OLMO2, OLMO3, GEMMA3, GLM = (["--model.flavor", f"debug_{family}"]
+                                           for family in ("qwen3", "qwen2", "olmo2", "olmo3", "gemma3", "glm4_moe"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
 # DeepSeek-V3's sequence-wise balance loss at 1000x its 0.0001: strong enough that a layout's
@@ -287,6 +287,12 @@ LAYOUTS = {
     "tp_olmo3": (2, [*OLMO3, *degrees(1, 1, tp=2)]),
     "pp_olmo3": (2, [*OLMO3, *PP2]),
     "cp_olmo3": (2, [*OLMO3, *CP2, "--training.micro_batch_size", "2"]),
+    # Gemma 3 (debug_gemma3): norms around each sub-layer (zero-centred: TP's sequence parallelism
+    # runs them on the shard as OLMo's), the embedding scaled, GeGLU, RoPE by block kind, tied
+    "single_gemma3": (1, [*GEMMA3, "--training.micro_batch_size", "2"]),
+    "fsdp2_gemma3": (2, [*GEMMA3, *degrees(1, 2)]),
+    "tp_gemma3": (2, [*GEMMA3, *degrees(1, 1, tp=2)]),
+    "cp_gemma3": (2, [*GEMMA3, *CP2, "--training.micro_batch_size", "2"]),
     # A sliding block (window 8: half a cp2 chunk) on a global one, Qwen3-shaped (debug_sliding)
     "single_sliding": (1, [*SLIDING, "--training.micro_batch_size", "2"]),
     "fsdp2_sliding": (2, [*SLIDING, *degrees(1, 2)]),

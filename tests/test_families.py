@@ -77,6 +77,15 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
         topk_group=2, moe_intermediate_size=48, routed_scaling_factor=2.5, first_k_dense_replace=1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5})),
+    # Gemma 3: norms around each sub-layer (zero-centred), the embedding scaled, GeGLU, per-head q/k
+    # norms, a softmax scale of its own; three sliding blocks (windows of 8, RoPE base 1e4) and a
+    # full one (base 1e6, linear 8x), tied
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                             layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                             rope_parameters={
+                                                 "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                    "factor": 8.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -91,8 +100,8 @@ def make_hf_model(family: str):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.5)
-            elif "norm" in n:
-                p.uniform_(0.5, 1.5)
+            elif "norm" in n:  # (Gemma's norms' gains are 1 + weight)
+                p.uniform_(0.5, 1.5).sub_(1 if family == "gemma3_text" else 0)
         for n, b in model.named_buffers():  # (DeepSeek-V3's router balancing biases steer the choice)
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
@@ -243,6 +252,11 @@ OMITTED = {
     # OLMo 3's class gives a top-level rope_theta to the full blocks alone; the sliding ones keep 5e5
     "olmo3-rope_parameters": ("olmo3", ("rope_parameters",), {"rope_theta": 10000.0}),
     "olmo3-layer_types": ("olmo3", ("layer_types",), {}),  # three sliding blocks, then a full one
+    # Gemma 3's classic layout: rope_scaling and rope_theta the full blocks', rope_local_base_freq the sliding ones'
+    "gemma3_text-rope_parameters": ("gemma3_text", ("rope_parameters",), {
+        "rope_theta": 1e5, "rope_local_base_freq": 5e3, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    # older folders' sliding_window_pattern: every 2nd block full
+    "gemma3_text-layer_types": ("gemma3_text", ("layer_types",), {"sliding_window_pattern": 2}),
 }
 
 
@@ -315,6 +329,10 @@ NULLS = {
     "olmo3-sliding_window": ("olmo3", {"sliding_window": None}, "sets sliding_window null; allowed: an integer"),
     "olmo3-rope_parameters-flat": ("olmo3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
                                    "allowed: an object of full_attention and sliding_attention objects"),
+    "gemma3_text-use_bidirectional_attention": ("gemma3_text", {"use_bidirectional_attention": True},
+                                                "sets use_bidirectional_attention (bidirectional attention)"),
+    "gemma3_text-hidden_activation": ("gemma3_text", {"hidden_activation": "silu"},
+                                      "sets hidden_activation 'silu'; allowed: 'gelu_pytorch_tanh'"),
     # YaRN's truncate by layer type: transformers reads it from rope_parameters itself (none): truncated
     "olmo3-yarn-truncate": ("olmo3", {"rope_parameters": {"full_attention": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32,
@@ -425,7 +443,8 @@ def transformers_default(family: str, field: str):
     if field in parameters:
         return parameters[field].default
     if field == "rope_theta":  # transformers 5: inside rope_parameters, the class's default_theta when left out
-        return config_class.default_theta
+        theta = config_class.default_theta
+        return theta["global"] if isinstance(theta, dict) else theta  # (Gemma 3's: its full blocks')
     return "absent"
 
 
@@ -449,7 +468,8 @@ def test_the_nulls_plait_reads_are_transformers():
 
     from plait.hf.defaults import NULLABLE, READ
 
-    fails = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"},  # (range(None); torch.tensor(None))
+    # (gpt-oss: range(None); OLMo 3 and Gemma 3: torch.tensor(None))
+    fails = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"}, "gemma3_text": {"sliding_window"},
              "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace"}}
     for family, nullable in NULLABLE.items():
         types = {f.name: str(f.type) for f in dataclasses.fields(type(transformers.AutoConfig.for_model(family)))}

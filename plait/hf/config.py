@@ -20,6 +20,7 @@ from plait.config import ConfigError
 from plait.hf.deepseek import deepseek_fields, deepseek_switches, holds_mtp
 from plait.hf.defaults import DEFAULTS
 from plait.hf.fields import Fields, family_fields
+from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
 from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings, rotary_fraction
 from plait.models.flavors import ModelArgs
@@ -37,14 +38,15 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
             "smollm3": "SmolLM3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+            "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
 ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
 UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "attention soft-capping",
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
                "n_routed_experts": "mixture of experts",
-               "router_jitter_noise": "router jitter"}
+               "router_jitter_noise": "router jitter", "use_bidirectional_attention": "bidirectional attention"}
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe")
 
 
@@ -79,6 +81,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
         switches |= deepseek_switches(fields)
     if family == "glm4_moe":
         switches |= glm_switches(fields)
+    if family == "gemma3_text":
+        switches |= gemma_switches(fields)
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
         switches |= {"n_experts": fields.integer("num_local_experts", required=True),
                      "top_k": fields.integer("num_experts_per_tok"),
@@ -101,7 +105,8 @@ def window_switches(fields: Fields, family: str, n_layers: int) -> dict:
     in the blocks layer_types names (Qwen's default: from max_window_layers on; SmolLM3's: the
     blocks without RoPE); Qwen3-MoE in every block; gpt-oss in the blocks layer_types names
     (default: every other block from the first)."""
-    if family not in ("mistral", "mixtral", "gpt_oss", "olmo3") and not fields.flag("use_sliding_window"):
+    always = ("mistral", "mixtral", "gpt_oss", "olmo3", "gemma3_text")  # (slide without use_sliding_window)
+    if family not in always and not fields.flag("use_sliding_window"):
         if family == "smollm3" and fields.config.get("sliding_window") and "sliding_attention" in (
                 fields.texts("layer_types", n_layers) or []):
             # (its masks slide there, its flash-attention path does not: which one the folder means is unknown)
@@ -124,6 +129,9 @@ def window_switches(fields: Fields, family: str, n_layers: int) -> dict:
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers]
     if types is None and family == "olmo3":  # three sliding blocks, then a full one
         types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in layers]
+    if types is None and family == "gemma3_text":  # (older folders' sliding_window_pattern: every 6th full)
+        pattern = fields.integer("sliding_window_pattern") if fields.has("sliding_window_pattern") else 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers]
     if types is None and family == "smollm3":
         types = ["sliding_attention" if i in nope_layers(fields, n_layers) else "full_attention" for i in layers]
     full = tuple(i for i in layers if types is not None and types[i] != "sliding_attention")
@@ -139,7 +147,9 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     model_type = config.get("model_type")
     family = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else None
     if family not in FAMILIES:
-        raise ConfigError(f"{where} holds a model_type {model_type!r} model; plait reads {', '.join(FAMILIES)}")
+        hint = " (Gemma 3's multimodal folder: save its language model with transformers' Gemma3ForCausalLM, " \
+            "a gemma3_text folder)" if model_type == "gemma3" else ""
+        raise ConfigError(f"{where} holds a model_type {model_type!r} model; plait reads {', '.join(FAMILIES)}{hint}")
     # (left out, each is unset in every family: the defaults table has those that are not expert counts)
     for field, what in UNSUPPORTED.items():
         if config.get(field) and not (family in MOE_FAMILIES and what == "mixture of experts"):
@@ -152,8 +162,9 @@ def model_args(folder: Path, option: str) -> ModelArgs:
         raise ConfigError(f"{where} holds quantized weights ({method}); plait reads them dequantized: with "
                           "transformers, from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True)) "
                           "then save_pretrained")
-    if fields.text("hidden_act", "'silu'") != "silu":
-        raise ConfigError(f"{where} sets hidden_act {config['hidden_act']!r}; allowed: 'silu'")
+    field, gate = ("hidden_activation", "gelu_pytorch_tanh") if family == "gemma3_text" else ("hidden_act", "silu")
+    if fields.text(field, repr(gate)) != gate:
+        raise ConfigError(f"{where} sets {field} {config[field]!r}; allowed: {gate!r}")
     if family in LAYERED:
         (theta, scaling), local = layered_rope_settings(config, family, where)
         local_rope = {} if local == (theta, scaling) else {"local_rope_theta": local[0], "local_rope_scaling": local[1]}
@@ -195,7 +206,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         raise ConfigError(f"checkpoint: a {args.family} config.json has one attention_bias for q/k/v and the output "
                           "projection; this model has biases on only some")
     computed = {
-        "architectures": [FAMILIES[args.family]], "model_type": args.family, "hidden_act": "silu",
+        "architectures": [FAMILIES[args.family]], "model_type": args.family,
+        **({"hidden_act": "silu"} if args.family != "gemma3_text" else {}),
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, **rope_fields(args),
@@ -216,6 +228,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed |= deepseek_fields(args) | {"attention_bias": args.qkv_bias}
     elif args.kv_lora_rank:
         raise ConfigError(f"checkpoint: a {args.family} config.json has no latent attention (export it as deepseek_v3)")
+    computed |= gemma_fields(args)
     if args.family == "glm4_moe":
         computed |= glm_fields(args)
     elif args.rotary_dim:
@@ -253,7 +266,7 @@ def window_fields(args: ModelArgs) -> dict:
                               f"full-attention blocks {list(args.full_layers)} among sliding ones (export it as qwen3)")
         fields = {"sliding_window": args.sliding_window or None}
         return fields | ({"use_sliding_window": bool(args.sliding_window)} if args.family == "qwen3_moe" else {})
-    if args.family in ("gpt_oss", "olmo3"):  # (their models need a window where no block slides: the class's default)
+    if args.family in ("gpt_oss", "olmo3", "gemma3_text"):  # (their models need a window where none slides)
         return {"sliding_window": args.sliding_window or DEFAULTS[args.family]["sliding_window"], "layer_types": types}
     if args.family in ("qwen2", "qwen3", "smollm3"):
         fields = {"use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None,

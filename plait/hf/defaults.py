@@ -23,7 +23,7 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "norm_topk_prob", "router_jitter_noise", "final_logit_softcapping", "attn_logit_softcapping", "swiglu_limit",
         "swiglu_alpha", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",
-        "use_qk_norm")
+        "use_qk_norm", "hidden_activation", "query_pre_attn_scalar")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -59,6 +59,10 @@ DEFAULTS = {
                           "attention_bias": False, "num_experts_per_tok": 8, "norm_topk_prob": True,
                           "n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                           "first_k_dense_replace": 1, "use_qk_norm": False},
+    "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "num_key_value_heads": 4, "head_dim": 256,
+                    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+                    "tie_word_embeddings": True, "attention_bias": False, "sliding_window": 4096, "layer_types": None,
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None, "query_pre_attn_scalar": 256},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
@@ -84,6 +88,6 @@ NULLABLE = {
     "smollm3": QWEN_NULLABLE | {"no_rope_layers"}, "qwen3_moe": {"sliding_window", "mlp_only_layers"},
     "gpt_oss": {"layer_types"},
     "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},
-    "glm4_moe": set(),
+    "glm4_moe": set(), "gemma3_text": {"layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
     "mixtral": {"head_dim", "sliding_window"},
 }

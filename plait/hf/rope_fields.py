@@ -75,9 +75,10 @@ def rope_settings(config: dict, family: str, where: str, label: str = "") -> tup
 
 
 # The families whose rope_parameters hold an object per layer type (transformers 5 writes no other
-# layout for them): the base their config class gives the sliding layers' object where it has none.
-# (OLMo 3's class hands a top-level rope_theta to the full layers alone: the sliding ones keep 5e5.)
-LAYERED = {"olmo3": 500000.0}
+# layout for them): where their config class takes the sliding layers' base when their object has
+# none (a field of config.json, and its default). (OLMo 3's class hands a top-level rope_theta to
+# the full layers alone: the sliding ones keep 5e5.)
+LAYERED = {"olmo3": (None, 500000.0), "gemma3_text": ("rope_local_base_freq", 10000.0)}
 LAYER_TYPES = "an object of full_attention and sliding_attention objects, or null"
 
 
@@ -97,8 +98,11 @@ def layered_rope_settings(config: dict, family: str, where: str) -> tuple[tuple[
     full, sliding = ({k: v for k, v in rope.items() if k != "truncate"} for rope in (full, sliding))
     rest = {k: v for k, v in config.items() if k not in ("rope_scaling", "rope_parameters", "rope_theta")}
     top = {"rope_theta": config["rope_theta"]} if "rope_theta" in config else {}
+    local_field, local_base = LAYERED[family]
+    if local_field and fields.has(local_field):
+        local_base = fields.number(local_field)
     return (rope_settings(rest | top | {"rope_parameters": full}, family, where, "rope_parameters.full_attention"),
-            rope_settings(rest | {"rope_theta": LAYERED[family], "rope_parameters": sliding}, family, where,
+            rope_settings(rest | {"rope_theta": local_base, "rope_parameters": sliding}, family, where,
                           "rope_parameters.sliding_attention"))
 
 

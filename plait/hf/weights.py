@@ -32,6 +32,9 @@ Parameter names (plait -> Hugging Face):
                                                (post_norm: post_attention_layernorm.weight)
     layers.N.ffn_norm.weight                -> model.layers.N.post_attention_layernorm.weight
                                                (post_norm: post_feedforward_layernorm.weight)
+    Gemma 3's sandwich: attention_norm, post_attention_norm, ffn_norm, post_ffn_norm -> input_layernorm,
+                                               post_attention_layernorm, pre_feedforward_layernorm,
+                                               post_feedforward_layernorm
     norm.weight                             -> model.norm.weight
     output.weight                           -> lm_head.weight
 
@@ -83,8 +86,10 @@ MIXTRAL = "block_sparse_moe"  # Mixtral's name for the MoE layer; its experts ke
 # gpt-oss's experts: plait's tensor -> (its tensor, which interleaved half: 0 gate, 1 up; None: whole)
 GPT_OSS_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
                    "b1": ("gate_up_proj_bias", 0), "b3": ("gate_up_proj_bias", 1), "b2": ("down_proj_bias", None)}
-BLOCK_NORMS = {False: {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
-               True: {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"}}
+BLOCK_NORMS = {"pre": {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+               "post": {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"},
+               "sandwich": {"attention_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                            "ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm"}}
 ROPE_ORDERED = ("wq.weight", "wk.weight", "wq.bias", "wk.bias", "q_norm.weight", "k_norm.weight", "q_proj_norm.weight",
                 "k_proj_norm.weight")
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -129,7 +134,8 @@ def hf_name(name: str, args: ModelArgs) -> str:
     if rest == ROUTER_BIAS:
         return f"model.layers.{index}.mlp.gate.e_score_correction_bias"
     module, kind = rest.rsplit(".", 1)
-    hf_module = (LAYER_NAMES | BLOCK_NORMS[args.post_norm])[module]
+    norms = "sandwich" if args.sandwich_norm else "post" if args.post_norm else "pre"
+    hf_module = (LAYER_NAMES | BLOCK_NORMS[norms])[module]
     if args.family == "mixtral":
         hf_module = hf_module.replace("mlp.", f"{MIXTRAL}.")
     if args.family == "gpt_oss" and module == "feed_forward.router.gate":

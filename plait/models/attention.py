@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.models.flavors import ModelArgs
 from plait.models.masking import additive, allowed
-from plait.models.norms import ProjectionNorm, RMSNorm
+from plait.models.norms import ProjectionNorm, model_norm
 from plait.models.rope import apply_rope
 
 
@@ -167,11 +167,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         self.qk_norm, self.rope, self.rotary = args.qk_norm, rope, args.rope_dim
         if args.qk_norm == "head":  # one weight of head_dim, shared by every head
-            self.q_norm, self.k_norm = RMSNorm(args.head_dim, args.norm_eps), RMSNorm(args.head_dim, args.norm_eps)
+            self.q_norm, self.k_norm = model_norm(args.head_dim, args), model_norm(args.head_dim, args)
         elif args.qk_norm == "projection":  # a weight per entry of the projection (split with the heads under TP)
             self.q_proj_norm = ProjectionNorm(args.n_heads * args.head_dim, args.norm_eps)
             self.k_proj_norm = ProjectionNorm(args.n_kv_heads * args.head_dim, args.norm_eps)
-        self.core = ScaledDotProduct(window, args.n_heads if args.attention_sinks else 0)
+        self.core = ScaledDotProduct(window, args.n_heads if args.attention_sinks else 0,
+                                     scale=args.attention_scalar ** -0.5 if args.attention_scalar else None)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape

@@ -38,6 +38,11 @@ class ModelArgs:
     ffn_bias: bool = False  # biases on the SwiGLU's three projections (mlp_bias)
     qk_norm: str = "none"  # RMSNorm of queries and keys before RoPE: "head" (Qwen3), "projection" (OLMo 2)
     post_norm: bool = False  # norm each sub-layer's output before the residual add (OLMo 2), not its input
+    sandwich_norm: bool = False  # norm each sub-layer's input and its output (Gemma 3)
+    zero_centered_norms: bool = False  # each RMSNorm's weight is its gain's offset from 1 (Gemma 3): x / rms * (1 + w)
+    embed_scale: bool = False  # the embedding's output times sqrt(dim) (Gemma)
+    activation: str = "silu"  # the dense feed-forward's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    attention_scalar: int = 0  # scores scaled by attention_scalar^-0.5 (0: head_dim; Gemma 3's query_pre_attn_scalar)
     nope_layers: tuple[int, ...] = ()  # blocks whose attention uses no RoPE (SmolLM3: every fourth)
     # Sliding-window attention: a query sees itself and the sliding_window - 1 keys before it (0 =
     # the whole sequence), in every block but full_layers (Mistral: all; Qwen: those below
@@ -152,6 +157,9 @@ OLMO3 = dict(norm_eps=1e-6, max_seq_len=65536, qk_norm="projection", post_norm=T
 # experts and a shared one, one MTP module
 GLM4_5 = dict(vocab_size=151552, norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=131072, rotary_dim=64,
               qkv_bias=True, top_k=8, n_shared_experts=1, router="sigmoid", mtp_layers=1, family="glm4_moe")
+# Gemma 3's switches: norms around each sub-layer, zero-centred, the embedding scaled, GeGLU, q/k norms
+GEMMA3 = dict(qk_norm="head", sandwich_norm=True, zero_centered_norms=True, embed_scale=True, activation="gelu_tanh",
+              family="gemma3_text")
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -173,6 +181,13 @@ FLAVORS = {
                              rope_theta=500000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                                 "original_max_position_embeddings": 32},
                              local_rope_theta=500000.0, family="olmo3"),
+    # Gemma 3: norms around each sub-layer (zero-centred), the embedding scaled, GeGLU, per-head q/k
+    # norms, the softmax at query_pre_attn_scalar (48, not head_dim 32), a sliding block (8 keys,
+    # base 1e4) before a full one (base 1e6, linear 8x), tied
+    "debug_gemma3": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                              norm_eps=1e-6, sliding_window=8, full_layers=(1,), rope_theta=1000000.0,
+                              rope_scaling={"rope_type": "linear", "factor": 8.0}, local_rope_theta=10000.0,
+                              attention_scalar=48, tie_embeddings=True, **GEMMA3),
     # gpt-oss's attention on Qwen3's shape: a local block on a global one, a window of 8 keys
     # (shorter than the tests' documents and than a cp 2 chunk of their 64-token sequences), and
     # attention sinks. (Exported nowhere: Qwen3 has no sinks.)
@@ -195,6 +210,12 @@ FLAVORS = {
                           **OLMO3),
     "olmo3_32b": ModelArgs(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, vocab_size=100278, ffn_hidden=27648,
                            **OLMO3 | {"full_layers": tuple(range(3, 64, 4))}),
+    # Gemma 3 27B's language model: 5 sliding blocks (1024 keys, base 1e4) to 1 full (base 1e6, linear 8x)
+    "gemma3_27b": ModelArgs(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, vocab_size=262208, head_dim=128,
+                            ffn_hidden=21504, norm_eps=1e-6, max_seq_len=131072, sliding_window=1024,
+                            full_layers=tuple(range(5, 62, 6)), rope_theta=1000000.0,
+                            rope_scaling={"rope_type": "linear", "factor": 8.0}, local_rope_theta=10000.0,
+                            attention_scalar=168, tie_embeddings=True, **GEMMA3),
     "smollm3_3b": ModelArgs(dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, vocab_size=128256, ffn_hidden=11008,
                             norm_eps=1e-6, rope_theta=5000000.0, max_seq_len=65536, tie_embeddings=True,
                             nope_layers=tuple(range(3, 36, 4)), family="smollm3"),

@@ -1,10 +1,13 @@
-"""RMSNorm, and the RMSNorm over a whole projection that OLMo 2 puts on queries and keys."""
+"""RMSNorm, its zero-centred form (Gemma 3), and the RMSNorm over a whole projection that OLMo 2
+puts on queries and keys."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plait.models.flavors import ModelArgs
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +18,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose weight is its gain's offset from 1, x / rms(x) * (1 + w), initialised at 0,
+    computed in fp32 as transformers' Gemma 3 does (in bf16, 1 + w would round a small offset away)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
+
+
+def model_norm(dim: int, args: ModelArgs) -> RMSNorm:
+    """A norm of the model's hidden states or heads, in the form its family uses."""
+    return (OffsetRMSNorm if args.zero_centered_norms else RMSNorm)(dim, args.norm_eps)
 
 
 class ProjectionNorm(RMSNorm):

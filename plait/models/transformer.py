@@ -21,25 +21,30 @@ from plait.models.latent_attention import LatentAttention
 from plait.models.loss import OutputLoss, whole_logits_loss
 from plait.models.mlp import FeedForward
 from plait.models.moe import EXPERT_BIASES, AuxLoss, MoE, in_backward, moe_layers
-from plait.models.norms import RMSNorm
+from plait.models.norms import model_norm
 from plait.models.rope import rope_table
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
-        self.post_norm = args.post_norm
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.post_norm, self.sandwich_norm = args.post_norm, args.sandwich_norm
+        self.attention_norm = model_norm(args.dim, args)
         self.attention = LatentAttention(args, args.window(index)) if args.kv_lora_rank else \
             Attention(args, rope=index not in args.nope_layers, window=args.window(index))
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = model_norm(args.dim, args)
         self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
+        if args.sandwich_norm:  # (ffn_norm is then the norm before the feed-forward layer)
+            self.post_attention_norm, self.post_ffn_norm = model_norm(args.dim, args), model_norm(args.dim, args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         # (mask and cache by keyword: tensor parallelism's input plan covers the positional inputs)
         if self.post_norm:
             x = x + self.attention_norm(self.attention(x, rope, mask=mask, cache=cache))
             return x + self.ffn_norm(self.feed_forward(x))
+        if self.sandwich_norm:
+            x = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, mask=mask, cache=cache))
+            return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))
         x = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -52,10 +57,10 @@ class TokenPredictor(nn.Module):
 
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
-        self.enorm, self.hnorm = RMSNorm(args.dim, args.norm_eps), RMSNorm(args.dim, args.norm_eps)
+        self.enorm, self.hnorm = model_norm(args.dim, args), model_norm(args.dim, args)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = TransformerBlock(args, index)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = model_norm(args.dim, args)
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
         return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], -1)), rope, mask=mask)
@@ -86,7 +91,7 @@ class Transformer(nn.Module):
         # A ModuleDict keeps FQNs stable ("layers.3") when pipeline stages drop some layers.
         # Stages also drop the embedding (all but the first) and norm + output (all but the last).
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = model_norm(args.dim, args)
         self.output = TiedOutput(self.tok_embeddings) if args.tie_embeddings else \
             nn.Linear(args.dim, args.vocab_size, bias=False)
         self.loss = OutputLoss()  # (the trainer sets its chunk: training.loss_chunk)
@@ -127,7 +132,7 @@ class Transformer(nn.Module):
         token's, 0 where -100, without gradient)."""
         # A pipeline stage lacks some parts: what it lacks, the activations pass through. A later
         # stage's input is the hidden state (the last may hold the embedding too: MTP's).
-        x = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
+        x = tokens if tokens.is_floating_point() else self.embed(tokens)
         start = cache.length if cache is not None else 0
         rope = self.rope[positions] if positions is not None else self.rope[start:]
         local = rope if not self.args.local_rope_theta else \
@@ -142,6 +147,11 @@ class Transformer(nn.Module):
             return x
         return self.output(self.norm(x)) if labels is None else \
             self.loss_of(self.norm(x), labels, per_token=per_token, z=True)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        # (Gemma: times sqrt(dim) in the embedding's dtype, as transformers rounds it)
+        return x * torch.tensor(self.args.dim ** 0.5, dtype=x.dtype) if self.args.embed_scale else x
 
     def loss_of(self, hidden: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int | None = None,
                 per_token: bool = False, z: bool = False) -> torch.Tensor:
@@ -166,7 +176,7 @@ class Transformer(nn.Module):
         (so that the ranks of context parallelism, each a mean over its chunks, average to the
         sequence's loss)."""
         predictor = self.mtp["0"]
-        out = predictor(h, self.tok_embeddings(following), rope, mask)
+        out = predictor(h, self.embed(following), rope, mask)
         loss = self.loss_of(predictor.norm(out), targets, divisor=targets.numel())
         if torch.compiler.is_compiling() or not in_backward():  # (once per step's forward, not in a recompute)
             self.mtp_records.append(loss.detach())
@@ -179,8 +189,8 @@ class Transformer(nn.Module):
         Residual-branch outputs (wo, w2) shrink with depth as in torchtitan, so the residual
         stream keeps its scale at init however deep the model is.
         """
-        if name.endswith("norm.weight"):
-            return None
+        if name.endswith("norm.weight"):  # (a zero-centred norm's weight is its offset from 1)
+            return 0.0 if self.args.zero_centered_norms else None
         # (sinks from 0: at first a sink takes what one zero score would; experts' biases are b1, b2, b3)
         if name.endswith((".bias", ".sinks", *EXPERT_BIASES)):
             return 0.0

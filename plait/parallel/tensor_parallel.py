@@ -223,6 +223,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             # After a sub-layer (post_norm) a norm's output meets the local residual stream.
             plan["attention_norm"] = SequenceParallel(use_local_output=block.post_norm)
             plan["ffn_norm"] = SequenceParallel(use_local_output=block.post_norm)
+            if block.sandwich_norm:  # (Gemma 3's norms after the sub-layers, as OLMo 2's)
+                plan["post_attention_norm"] = plan["post_ffn_norm"] = SequenceParallel(use_local_output=True)
         if block.attention.qk_norm == "head":  # on [batch, seq, local heads, head_dim]: heads are dim 2
             plan["attention.q_norm"] = plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif block.attention.qk_norm == "projection":

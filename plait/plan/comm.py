@@ -122,7 +122,9 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # norm's and latent attention's latents': over its heads), are all-reduced once per step, in the reduce dtype when FSDP2
         # accumulated them over several micro-batches.
         out["forward", "all_reduce", "tp"] += passes * outputs * 3 * tokens * 4
-        norms = (2 * len(blocks) + last) * args.dim + 2 * len(blocks) * args.head_dim * (args.qk_norm == "head")
+        block_norms = 4 if args.sandwich_norm else 2  # (Gemma 3's norms after the sub-layers too)
+        norms = (block_norms * len(blocks) + last) * args.dim + \
+            2 * len(blocks) * args.head_dim * (args.qk_norm == "head")
         # (latent attention's latent projections and norms, whole on each rank: partial gradients too)
         norms += sum(math.prod(shape) for name, shape in params.items() if LATENT.search(name))
         # (multi-token prediction's norms and projection, on the sequence shard: partial gradients)

@@ -88,6 +88,9 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
     if grouped:  # (their defaults, 128 or 8 key heads and 8 experts a token, fit no small model)
         config |= {"num_key_value_heads": heads if family == "deepseek_v3" else draw(st.sampled_from([1, heads])),
                    "num_experts_per_tok": draw(st.integers(1, 2))}
+    if family == "gemma3_text":  # (its defaults, 4 key heads of 256, fit no small model)
+        config |= {"num_key_value_heads": draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0])),
+                   "head_dim": head_dim}
     groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]))
     layer_list = st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=layers, max_size=layers)
     legal = {
@@ -111,6 +114,10 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
         "routed_scaling_factor": st.sampled_from([1.0, 2.5]), "n_group": st.just(groups),
         "topk_group": st.integers(1, groups), "first_k_dense_replace": st.integers(0, layers),
         "rope_interleave": st.sampled_from([True, True, True, False]), "use_qk_norm": st.booleans(),
+        "hidden_activation": st.sampled_from(["gelu_pytorch_tanh"] * 3 + ["silu"]),
+        "query_pre_attn_scalar": st.sampled_from([8, 16, 24]), "use_bidirectional_attention": st.just(False),
+        "final_logit_softcapping": st.sampled_from([None, None, 30.0]),
+        "attn_logit_softcapping": st.sampled_from([None, None, 50.0]),
     }
     nullable = nullable_fields(family)
     for name in class_fields(family):
@@ -162,6 +169,7 @@ RARELY_NULL = {"rope_interleave"}
 # Fields typed `X | None` whose null transformers' model then fails on (tests/test_families.py's
 # table of nulls checks plait refuses them): cases spent on them are skipped, so none are drawn.
 FAILS_ON_NULL = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"},
+                 "gemma3_text": {"sliding_window", "attention_dropout"},
                  "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace",
                                  "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank"}}
 
@@ -194,8 +202,8 @@ def transformers_model(folder: Path):
             for name, p in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith(("bias", "sinks")):
                     p.normal_(0, 0.5 if "correction" not in name else 0.1)
-                elif "norm" in name:
-                    p.uniform_(0.5, 1.5)
+                elif "norm" in name:  # (Gemma's norms' gains are 1 + weight)
+                    p.uniform_(0.5, 1.5).sub_(1 if config.model_type == "gemma3_text" else 0)
             logits = model(batch()).logits
     except Exception:  # noqa: BLE001 (any failure of transformers' own: the case is not a model)
         return None, None
@@ -278,8 +286,10 @@ def check(config: dict) -> str:
 
 def names_a_field(refusal: str, config: dict) -> bool:
     """Whether `refusal` names a field of the config.json or its family's (one left out is its default)."""
-    names = set(config) | {k for v in config.values() if isinstance(v, dict) for k in v}
-    names |= set(class_fields(config["model_type"]))
+    def fields(table: dict) -> set[str]:  # (its objects' too: RoPE by layer type nests two deep)
+        return set(table) | {k for v in table.values() if isinstance(v, dict) for k in fields(v)}
+
+    names = fields(config) | set(class_fields(config["model_type"]))
     return any(name in refusal for name in names)
 
 
