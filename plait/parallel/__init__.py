@@ -58,6 +58,12 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
         # hooks that sharding adds around the module call stay outside the compiled graph.
         for block in model.blocks():
             block.forward = compiled_forward(block)
+        # Every block shares one code object, whose graphs dynamo caches together, each guarded on
+        # its block's kind (window, RoPE, experts): the blocks of K kinds need K times the graphs of
+        # one (training, evaluation, their masks and lengths) before dynamo gives up on recompiling.
+        a = model.args
+        kinds = len({(a.window(i), i in a.nope_layers, a.local_rope(i), a.sparse(i)) for i in range(a.n_layers)})
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * kinds)
     if cfg.parallelism.tp > 1:  # start-up refuses TP with classic DDP
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
     experts = expert_mesh(mesh, cfg.parallelism.ep) if cfg.parallelism.ep > 1 else None
