@@ -165,6 +165,10 @@ def run(cfg: JobConfig) -> list[dict]:
         raise ConfigError(str(e)) from None
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
+    if cfg.training.seq_len > args.sequence_limit:
+        raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's attention chunk of "
+                          f"{args.attention_chunk} positions (Llama 4), into which plait does not split sequences; "
+                          f"allowed: up to {args.attention_chunk}")
     check_divisibility(args, cfg)
     check_heads(args, cfg)
     check_experts(args, cfg)

@@ -178,8 +178,8 @@ FLOAT8 = ["--training.float8", "tensorwise"]
 ROWWISE = ["--training.float8", "rowwise"]
 MXFP8 = ["--training.float8", "mxfp8"]
 DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
-QWEN3, QWEN2, OLMO2, OLMO3, GEMMA3, GLM = (["--model.flavor", f"debug_{family}"]
-                                           for family in ("qwen3", "qwen2", "olmo2", "olmo3", "gemma3", "glm4_moe"))
+QWEN3, QWEN2, OLMO2, OLMO3, GEMMA3, GLM, LLAMA4 = (["--model.flavor", f"debug_{family}"] for family in (
+    "qwen3", "qwen2", "olmo2", "olmo3", "gemma3", "glm4_moe", "llama4"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
 # DeepSeek-V3's sequence-wise balance loss at 1000x its 0.0001: strong enough that a layout's
@@ -340,6 +340,14 @@ LAYOUTS = {
     "ep2_glm4_moe": (2, [*GLM, *EP2]),
     "pp_glm4_moe": (2, [*GLM, *PP2]),
     "cp_glm4_moe": (2, [*GLM, *CP2, "--training.micro_batch_size", "2"]),
+    # Llama 4 (debug_llama4): experts weighed on their inputs with a shared one, a dense block with
+    # RoPE and L2 q/k norms, a sparse one without RoPE whose queries are temperature-tuned
+    "single_llama4": (1, [*LLAMA4, "--training.micro_batch_size", "2"]),
+    "fsdp2_llama4": (2, [*LLAMA4, *degrees(1, 2)]),
+    "tp_llama4": (2, [*LLAMA4, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "ep2_llama4": (2, [*LLAMA4, *EP2]),
+    "pp_llama4": (2, [*LLAMA4, *PP2]),
+    "cp_llama4": (2, [*LLAMA4, *CP2, "--training.micro_batch_size", "2"]),
     "single_mla_f8": (1, [*MLA, *FLOAT8, "--training.micro_batch_size", "2"]),  # (the MTP module's layers too)
     "fsdp2_mla_f8": (2, [*MLA, *FLOAT8, *degrees(1, 2)]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their

@@ -86,6 +86,14 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
                                                  "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
                                                                     "factor": 8.0},
                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # Llama 4: experts (4, each token to 2, weighed on their inputs) with a shared expert on blocks 1
+    # and 3, dense blocks 0 and 2; block 3 without RoPE, its queries temperature-tuned (floor 16:
+    # the tuning moves within 200 positions), L2 q/k norms in the others; chunks of 256 (one, here)
+    "llama4_text": ("Llama4TextConfig", dict(
+        head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=2,
+        interleave_moe_layer_step=2, floor_scale=16, attn_scale=0.5, attention_chunk_size=256,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -257,6 +265,8 @@ OMITTED = {
         "rope_theta": 1e5, "rope_local_base_freq": 5e3, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     # older folders' sliding_window_pattern: every 2nd block full
     "gemma3_text-layer_types": ("gemma3_text", ("layer_types",), {"sliding_window_pattern": 2}),
+    # Llama 4's sparse blocks from interleave_moe_layer_step (2), its blocks without RoPE from the interval (4)
+    "llama4_text-moe_layers": ("llama4_text", ("moe_layers", "no_rope_layers"), {}),
 }
 
 
@@ -329,6 +339,8 @@ NULLS = {
     "olmo3-sliding_window": ("olmo3", {"sliding_window": None}, "sets sliding_window null; allowed: an integer"),
     "olmo3-rope_parameters-flat": ("olmo3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
                                    "allowed: an object of full_attention and sliding_attention objects"),
+    "llama4_text-attention_chunk_size": ("llama4_text", {"attention_chunk_size": None},
+                                         "sets attention_chunk_size null; allowed: an integer >= 1"),
     "gemma3_text-use_bidirectional_attention": ("gemma3_text", {"use_bidirectional_attention": True},
                                                 "sets use_bidirectional_attention (bidirectional attention)"),
     "gemma3_text-hidden_activation": ("gemma3_text", {"hidden_activation": "silu"},
@@ -398,6 +410,14 @@ def test_gpt_oss_rope_scaling_null_is_its_default_yarn_as_in_transformers(folder
         assert plait_model_args(out).rope_scaling == args.rope_scaling
 
 
+def test_llama4_sequences_longer_than_its_attention_chunk_are_refused_at_start_up(folders, tmp_path):
+    """plait computes one attention chunk at most (Llama 4's chunked attention is not built)."""
+    folder = changed_folder(folders("llama4_text"), tmp_path / "chunk", {"attention_chunk_size": 32})
+    _, proc = run_plait(tmp_path, "--checkpoint.load", str(folder), "--training.steps", "1", check=False)
+    assert proc.returncode != 0 and "training.seq_len: 64 exceeds the model's attention chunk of 32 positions" \
+        in proc.stderr, proc.stderr[-2000:]
+
+
 def plait_model_args(folder):
     from plait import hf
 
@@ -407,7 +427,8 @@ def plait_model_args(folder):
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB)
 EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4),
                 "gpt_oss": dict(num_local_experts=4), "deepseek_v3": dict(n_routed_experts=16, moe_intermediate_size=48),
-                "glm4_moe": dict(n_routed_experts=16, moe_intermediate_size=48)}
+                "glm4_moe": dict(n_routed_experts=16, moe_intermediate_size=48),
+                "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96)}
 
 
 @pytest.mark.parametrize("family", ["llama", *CONFIGS])
@@ -470,6 +491,7 @@ def test_the_nulls_plait_reads_are_transformers():
 
     # (gpt-oss: range(None); OLMo 3 and Gemma 3: torch.tensor(None))
     fails = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"}, "gemma3_text": {"sliding_window"},
+             "llama4_text": {"attention_chunk_size"},  # (its mask reads a sliding_window it lacks)
              "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace"}}
     for family, nullable in NULLABLE.items():
         types = {f.name: str(f.type) for f in dataclasses.fields(type(transformers.AutoConfig.for_model(family)))}

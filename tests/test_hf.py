@@ -194,7 +194,7 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
     assert one_line(*train, str(gemma)) == (
         f"plait: error: checkpoint.load: {gemma / 'config.json'} holds a model_type 'gemma2' model; plait reads llama, "
         "mistral, qwen2, qwen3, olmo2, olmo3, smollm3, qwen3_moe, mixtral, gpt_oss, deepseek_v3, glm4_moe, "
-        "gemma3_text")
+        "gemma3_text, llama4_text")
     # Fields of a family plait reads that change the model in a way plait does not compute (the
     # same ConfigError as above, read in this process: no run each).
     from plait import hf

@@ -133,7 +133,14 @@ MOE_BOUNDS = {("simple_fsdp_moe", "fp32"): BITWISE,  # (measured: data paralleli
               ("fsdp2_glm4_moe", "fp32"): BITWISE, ("fsdp2_glm4_moe", "bf16"): BITWISE,
               ("pp_glm4_moe", "fp32"): BITWISE, ("tp_glm4_moe", "fp32"): FP32_REORDERED,
               ("ep2_glm4_moe", "fp32"): FP32_REORDERED, ("ep2_glm4_moe", "bf16"): BF16_REORDERED,
-              ("cp_glm4_moe", "fp32"): MOE_REORDERED}
+              ("cp_glm4_moe", "fp32"): MOE_REORDERED,
+              # Llama 4 (debug_llama4: experts weighed on their inputs, an unbiased sigmoid router, a
+              # block without RoPE whose queries are temperature-tuned, L2 q/k norms): measured bitwise
+              # (FSDP2 fp32 and bf16, PP2), 4.8e-7 (TP2, EP2) and 9.5e-7 (CP2: the temperature taken
+              # by position on each rank's chunks)
+              ("fsdp2_llama4", "fp32"): BITWISE, ("fsdp2_llama4", "bf16"): BITWISE, ("pp_llama4", "fp32"): BITWISE,
+              ("tp_llama4", "fp32"): FP32_REORDERED, ("ep2_llama4", "fp32"): FP32_REORDERED,
+              ("ep2_llama4", "bf16"): BF16_REORDERED, ("cp_llama4", "fp32"): MOE_REORDERED}
 # Muon against the single device with Muon. Each matrix is orthogonalised whole in fp32 from the
 # same momentum, by the same kernels, wherever it meets: data parallelism (every backend, the
 # matrices spread over the shard ranks by all-to-all) and the pipeline are bitwise in fp32 as

@@ -22,6 +22,7 @@ from plait.hf.defaults import DEFAULTS
 from plait.hf.fields import Fields, family_fields
 from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
+from plait.hf.llama4 import llama4_fields, llama4_switches
 from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings, rotary_fraction
 from plait.models.flavors import ModelArgs
 
@@ -39,7 +40,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "smollm3": "SmolLM3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM"}
+            "gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
 ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
@@ -47,7 +48,7 @@ UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_soft
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
                "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter", "use_bidirectional_attention": "bidirectional attention"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_text")
 
 
 def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
@@ -83,6 +84,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
         switches |= glm_switches(fields)
     if family == "gemma3_text":
         switches |= gemma_switches(fields)
+    if family == "llama4_text":
+        switches |= llama4_switches(fields, n_layers, nope_layers(fields, n_layers))
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
         switches |= {"n_experts": fields.integer("num_local_experts", required=True),
                      "top_k": fields.integer("num_experts_per_tok"),
@@ -91,8 +94,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
 
 
 def nope_layers(fields: Fields, n_layers: int) -> tuple[int, ...]:
-    """SmolLM3's blocks without RoPE: no_rope_layers (1 = this block uses RoPE), else every
-    no_rope_layer_interval-th block."""
+    """SmolLM3's and Llama 4's blocks without RoPE: no_rope_layers (1 = this block uses RoPE), else
+    every no_rope_layer_interval-th block."""
     interval, rope = fields.integer("no_rope_layer_interval"), fields.integers("no_rope_layers", n_layers)
     if rope is None:
         rope = [(i + 1) % interval != 0 for i in range(n_layers)]
@@ -178,14 +181,14 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     if rotary < 2 or rotary % 2:
         raise ConfigError(f"{where} sets partial_rotary_factor {rotary_fraction(config, family, where)}: RoPE would "
                           f"rotate {rotary} of a head's {head_dim} entries; allowed: a share giving pairs")
-    args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads,
-                     n_kv_heads=fields.integer("num_key_value_heads") or heads,
-                     vocab_size=fields.integer("vocab_size", required=True),
-                     ffn_hidden=fields.integer("intermediate_size", required=True),
-                     head_dim=head_dim, rotary_dim=rotary % head_dim, norm_eps=fields.number("rms_norm_eps"),
-                     rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer("max_position_embeddings"),
-                     tie_embeddings=fields.flag("tie_word_embeddings"), family=family, **local_rope,
-                     **family_switches(fields, family, n_layers))
+    shape = dict(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=fields.integer("num_key_value_heads") or heads,
+                 vocab_size=fields.integer("vocab_size", required=True),
+                 ffn_hidden=fields.integer("intermediate_size", required=True),
+                 head_dim=head_dim, rotary_dim=rotary % head_dim, norm_eps=fields.number("rms_norm_eps"),
+                 rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer("max_position_embeddings"),
+                 tie_embeddings=fields.flag("tie_word_embeddings"), family=family, **local_rope)
+    # (a family's switches may say a size its own way: Llama 4's dense blocks are intermediate_size_mlp wide)
+    args = ModelArgs(**shape | family_switches(fields, family, n_layers))
     # DeepSeek-V3's MTP module, where the folder holds its weights (transformers' saves do not)
     return replace(args, mtp_layers=args.mtp_layers * holds_mtp(folder, args.n_layers)) if args.mtp_layers else args
 
@@ -229,6 +232,12 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     elif args.kv_lora_rank:
         raise ConfigError(f"checkpoint: a {args.family} config.json has no latent attention (export it as deepseek_v3)")
     computed |= gemma_fields(args)
+    if args.family == "llama4_text":
+        computed |= llama4_fields(args)
+    elif args.route_inputs or args.qk_norm == "l2" or args.nope_temperature or args.attention_chunk:
+        raise ConfigError(f"checkpoint: a {args.family} config.json has none of Llama 4's experts weighed on their "
+                          "inputs, L2 q/k norms, temperature tuning or chunked attention; this model has (export it "
+                          "as llama4_text)")
     if args.family == "glm4_moe":
         computed |= glm_fields(args)
     elif args.rotary_dim:

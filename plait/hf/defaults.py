@@ -23,7 +23,8 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "norm_topk_prob", "router_jitter_noise", "final_logit_softcapping", "attn_logit_softcapping", "swiglu_limit",
         "swiglu_alpha", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",
-        "use_qk_norm", "hidden_activation", "query_pre_attn_scalar")
+        "use_qk_norm", "hidden_activation", "query_pre_attn_scalar", "interleave_moe_layer_step", "moe_layers",
+        "attn_temperature_tuning", "attn_scale", "floor_scale", "attention_chunk_size")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -63,6 +64,12 @@ DEFAULTS = {
                     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
                     "tie_word_embeddings": True, "attention_bias": False, "sliding_window": 4096, "layer_types": None,
                     "final_logit_softcapping": None, "attn_logit_softcapping": None, "query_pre_attn_scalar": 256},
+    "llama4_text": COMMON | {"num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                             "max_position_embeddings": 131072, "attention_bias": False, "num_experts_per_tok": 1,
+                             "router_jitter_noise": 0.0, "layer_types": None, "no_rope_layers": None,
+                             "no_rope_layer_interval": 4, "use_qk_norm": True, "interleave_moe_layer_step": 1,
+                             "moe_layers": None, "attn_temperature_tuning": True, "attn_scale": 0.1,
+                             "floor_scale": 8192, "attention_chunk_size": 8192},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
@@ -88,6 +95,7 @@ NULLABLE = {
     "smollm3": QWEN_NULLABLE | {"no_rope_layers"}, "qwen3_moe": {"sliding_window", "mlp_only_layers"},
     "gpt_oss": {"layer_types"},
     "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},
-    "glm4_moe": set(), "gemma3_text": {"layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
+    "glm4_moe": set(), "llama4_text": {"moe_layers", "no_rope_layers", "layer_types"},
+    "gemma3_text": {"layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
     "mixtral": {"head_dim", "sliding_window"},
 }

@@ -32,6 +32,10 @@ Parameter names (plait -> Hugging Face):
                                                (post_norm: post_attention_layernorm.weight)
     layers.N.ffn_norm.weight                -> model.layers.N.post_attention_layernorm.weight
                                                (post_norm: post_feedforward_layernorm.weight)
+    Llama 4: feed_forward.* as itself (feed_forward.gate_proj, ...), feed_forward.router.gate ->
+             feed_forward.router, feed_forward.shared.* -> feed_forward.shared_expert.*, its experts
+             fused as gpt-oss's (gate_up_proj: gate then up, not interleaved); q and k not reordered
+             (its RoPE is Meta's interleaved pairs)
     Gemma 3's sandwich: attention_norm, post_attention_norm, ffn_norm, post_ffn_norm -> input_layernorm,
                                                post_attention_layernorm, pre_feedforward_layernorm,
                                                post_feedforward_layernorm
@@ -86,6 +90,12 @@ MIXTRAL = "block_sparse_moe"  # Mixtral's name for the MoE layer; its experts ke
 # gpt-oss's experts: plait's tensor -> (its tensor, which interleaved half: 0 gate, 1 up; None: whole)
 GPT_OSS_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
                    "b1": ("gate_up_proj_bias", 0), "b3": ("gate_up_proj_bias", 1), "b2": ("down_proj_bias", None)}
+# The families whose experts are fused (gate and up in one tensor, E experts in one): where they are
+FUSED_EXPERTS = {"gpt_oss": "mlp.experts", "llama4_text": "feed_forward.experts"}
+LLAMA4_NAMES = {"feed_forward.router.gate": "feed_forward.router",
+                "feed_forward.shared.w1": "feed_forward.shared_expert.gate_proj",
+                "feed_forward.shared.w3": "feed_forward.shared_expert.up_proj",
+                "feed_forward.shared.w2": "feed_forward.shared_expert.down_proj"}
 BLOCK_NORMS = {"pre": {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
                "post": {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"},
                "sandwich": {"attention_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -115,8 +125,8 @@ def hf_names(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face tensors of a plait parameter: one, or an expert tensor's E slices."""
     name = mtp_as_layer(name, args)
     index, rest = LAYER.match(name).groups() if name not in TOP_NAMES else (None, "")
-    if args.family == "gpt_oss" and rest.startswith("feed_forward.experts."):
-        return [f"model.layers.{index}.mlp.experts.{GPT_OSS_EXPERTS[rest.rsplit('.', 1)[1]][0]}"]
+    if args.family in FUSED_EXPERTS and rest.startswith("feed_forward.experts."):
+        return [f"model.layers.{index}.{FUSED_EXPERTS[args.family]}.{GPT_OSS_EXPERTS[rest.rsplit('.', 1)[1]][0]}"]
     if rest in EXPERTS:
         if args.family == "mixtral":
             return [f"model.layers.{index}.{MIXTRAL}.experts.{e}.{rest.rsplit('.', 1)[1]}.weight"
@@ -140,21 +150,24 @@ def hf_name(name: str, args: ModelArgs) -> str:
         hf_module = hf_module.replace("mlp.", f"{MIXTRAL}.")
     if args.family == "gpt_oss" and module == "feed_forward.router.gate":
         hf_module = "mlp.router"
+    if args.family == "llama4_text":  # (its MLP and MoE are feed_forward, the shared expert one)
+        hf_module = LLAMA4_NAMES.get(module, hf_module.replace("mlp.", "feed_forward."))
     return f"model.layers.{index}.{hf_module}.{kind}"
 
 
-def gpt_oss_expert(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A plait expert tensor (w or b) from gpt-oss's: its half of the interleaved columns, and a
-    weight transposed to plait's [E, out, in]."""
+def fused_expert(name: str, tensor: torch.Tensor, family: str) -> torch.Tensor:
+    """A plait expert tensor (w or b) from gpt-oss's or Llama 4's fused one: its half of the columns
+    (gpt-oss's gate and up interleaved, Llama 4's one after the other), and a weight transposed to
+    plait's [E, out, in]."""
     _, half = GPT_OSS_EXPERTS[name.rsplit(".", 1)[1]]
     if half is not None:
-        tensor = tensor[..., half::2]
+        tensor = tensor[..., half::2] if family == "gpt_oss" else tensor.chunk(2, -1)[half]
     return tensor.transpose(1, 2) if tensor.ndim == 3 else tensor
 
 
-def gpt_oss_merged(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """gpt-oss's tensor for plait's expert tensor `name`: w1 with w3 (b1 with b3) interleaved,
-    weights transposed; None for w3 and b3 (written with w1 and b1)."""
+def fused_merged(state_dict: dict[str, torch.Tensor], name: str, family: str) -> torch.Tensor | None:
+    """gpt-oss's or Llama 4's tensor for plait's expert tensor `name`: w1 with w3 (b1 with b3),
+    interleaved or one after the other, weights transposed; None for w3 and b3 (written with w1 and b1)."""
     kind = name.rsplit(".", 1)[1]
     if kind in ("w3", "b3"):
         return None
@@ -163,9 +176,16 @@ def gpt_oss_merged(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tens
         return tensor.transpose(1, 2) if tensor.ndim == 3 else tensor
 
     tensor = theirs(state_dict[name])
-    if kind in ("w1", "b1"):  # gate and up columns interleaved
-        tensor = torch.stack([tensor, theirs(state_dict[name[:-1] + "3"])], dim=-1).flatten(-2)
+    if kind in ("w1", "b1"):
+        up = theirs(state_dict[name[:-1] + "3"])
+        tensor = torch.stack([tensor, up], dim=-1).flatten(-2) if family == "gpt_oss" else torch.cat([tensor, up], -1)
     return tensor
+
+
+def rope_reordered(name: str, args: ModelArgs) -> bool:
+    """Whether `name`'s rows are in RoPE's interleaved order here and in halves on disk (latent
+    attention's and Llama 4's are interleaved on disk too)."""
+    return name.endswith(ROPE_ORDERED) and not args.kv_lora_rank and args.family != "llama4_text"
 
 
 def to_hf_rope_order(weight: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
@@ -191,12 +211,12 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
     the folders transformers writes.)"""
     tensors = {}
     for name, tensor in state_dict.items():
-        if args.family == "gpt_oss" and ".experts." in name:
-            merged = gpt_oss_merged(state_dict, name)
+        if args.family in FUSED_EXPERTS and ".experts." in name:
+            merged = fused_merged(state_dict, name, args.family)
             if merged is not None:
                 tensors[hf_names(name, args)[0]] = merged.to(dtype).contiguous()
             continue
-        if name.endswith(ROPE_ORDERED) and not args.kv_lora_rank:
+        if rope_reordered(name, args):
             tensor = to_hf_rope_order(tensor, args.head_dim, args.rope_dim)
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
@@ -317,9 +337,9 @@ class HFWeights(Mapping):
                 pieces.append(weights.get_tensor(hf).float())
         try:
             tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
-            if self.args.family == "gpt_oss" and ".experts." in name:
-                tensor = gpt_oss_expert(name, tensor).contiguous()
-            if name.endswith(ROPE_ORDERED) and not self.args.kv_lora_rank:
+            if self.args.family in FUSED_EXPERTS and ".experts." in name:
+                tensor = fused_expert(name, tensor, self.args.family).contiguous()
+            if rope_reordered(name, self.args):
                 tensor = from_hf_rope_order(tensor, self.args.head_dim, self.args.rope_dim)
         except RuntimeError:  # (a shape the reordering cannot take: refused below)
             tensor = None

@@ -165,7 +165,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
-        self.qk_norm, self.rope, self.rotary = args.qk_norm, rope, args.rope_dim
+        self.qk_norm, self.rope, self.rotary, self.norm_eps = args.qk_norm, rope, args.rope_dim, args.norm_eps
+        self.temperature = bool(args.nope_temperature) and not rope  # (its table comes in RoPE's place)
         if args.qk_norm == "head":  # one weight of head_dim, shared by every head
             self.q_norm, self.k_norm = model_norm(args.head_dim, args), model_norm(args.head_dim, args)
         elif args.qk_norm == "projection":  # a weight per entry of the projection (split with the heads under TP)
@@ -187,6 +188,11 @@ class Attention(nn.Module):
             q, k = (torch.cat([apply_rope(t[..., :self.rotary], rope), t[..., self.rotary:]], -1) for t in (q, k))
         elif self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.qk_norm == "l2" and self.rope:  # (weightless, in fp32, as transformers' Llama 4)
+            q, k = (F.rms_norm(t.float(), (self.head_dim,), eps=self.norm_eps).type_as(t) for t in (q, k))
+        if self.temperature:  # each query times its position's temperature
+            scale = rope[: q.shape[1]] if rope.ndim == 1 else rope
+            q = (q * scale[..., None, None]).to(q.dtype)
         if cache is not None:  # generation: attend to every earlier position's keys and values too
             k, v = cache.extend(self, k, v, self.core.window)
             # Causal within the new positions; every cached one lies before them all: one document.

@@ -36,7 +36,9 @@ class ModelArgs:
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     out_bias: bool = False  # a bias on the attention's output projection (with qkv_bias: attention_bias)
     ffn_bias: bool = False  # biases on the SwiGLU's three projections (mlp_bias)
-    qk_norm: str = "none"  # RMSNorm of queries and keys before RoPE: "head" (Qwen3), "projection" (OLMo 2)
+    # RMSNorm of queries and keys before RoPE: "head" (Qwen3), "projection" (OLMo 2); "l2" (Llama 4):
+    # without weight, after RoPE, in the blocks with RoPE
+    qk_norm: str = "none"
     post_norm: bool = False  # norm each sub-layer's output before the residual add (OLMo 2), not its input
     sandwich_norm: bool = False  # norm each sub-layer's input and its output (Gemma 3)
     zero_centered_norms: bool = False  # each RMSNorm's weight is its gain's offset from 1 (Gemma 3): x / rms * (1 + w)
@@ -44,6 +46,13 @@ class ModelArgs:
     activation: str = "silu"  # the dense feed-forward's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     attention_scalar: int = 0  # scores scaled by attention_scalar^-0.5 (0: head_dim; Gemma 3's query_pre_attn_scalar)
     nope_layers: tuple[int, ...] = ()  # blocks whose attention uses no RoPE (SmolLM3: every fourth)
+    # Llama 4's temperature tuning in the blocks without RoPE: queries times
+    # log(1 + floor((position + 1) / temperature_floor)) x nope_temperature + 1 (0: off)
+    nope_temperature: float = 0.0
+    temperature_floor: int = 8192
+    # Llama 4's chunked attention in the blocks with RoPE: a query sees the keys of its chunk of
+    # attention_chunk positions (0: none). plait trains sequences of one chunk at most (refused past it).
+    attention_chunk: int = 0
     # Sliding-window attention: a query sees itself and the sliding_window - 1 keys before it (0 =
     # the whole sequence), in every block but full_layers (Mistral: all; Qwen: those below
     # max_window_layers; gpt-oss and SmolLM3-style mixes: local and global blocks).
@@ -63,6 +72,8 @@ class ModelArgs:
     router: str = "softmax"
     normalize_top_k: bool = True
     route_scale: float = 1.0
+    balance_bias: bool = True  # a sigmoid router's load-balancing bias (DeepSeek-V3); False: none (Llama 4)
+    route_inputs: bool = False  # the router's weights scale each expert's input, not its output (Llama 4)
     dense_layers: tuple[int, ...] = ()
     # gpt-oss's experts: a bias on each expert's projections and on the router's logits, and the
     # clamped SwiGLU (swiglu_limit > 0): gate clamped above and up on both sides at the limit,
@@ -109,6 +120,11 @@ class ModelArgs:
             object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
 
     @property
+    def sequence_limit(self) -> int:
+        """The longest sequence plait computes for the model: its positions, or one attention chunk."""
+        return min(self.max_seq_len, self.attention_chunk or self.max_seq_len)
+
+    @property
     def rope_dim(self) -> int:
         """The entries of a query or key head that RoPE rotates (under latent attention: its RoPE part)."""
         return self.qk_rope_head_dim if self.kv_lora_rank else self.rotary_dim or self.head_dim
@@ -124,6 +140,13 @@ class ModelArgs:
     def local_rope(self, block: int) -> bool:
         """Whether block `block` rotates by the sliding blocks' own RoPE."""
         return bool(self.local_rope_theta and self.window(block))
+
+    def block_table(self, block: int) -> str:
+        """Which of the model's per-position tables block `block` takes: "rope", "local_rope" (the
+        sliding blocks' own) or "temperature" (Llama 4's, in the blocks without RoPE)."""
+        if self.nope_temperature and block in self.nope_layers:
+            return "temperature"
+        return "local_rope" if self.local_rope(block) else "rope"
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -160,6 +183,11 @@ GLM4_5 = dict(vocab_size=151552, norm_eps=1e-5, rope_theta=1000000.0, max_seq_le
 # Gemma 3's switches: norms around each sub-layer, zero-centred, the embedding scaled, GeGLU, q/k norms
 GEMMA3 = dict(qk_norm="head", sandwich_norm=True, zero_centered_norms=True, embed_scale=True, activation="gelu_tanh",
               family="gemma3_text")
+# Llama 4's switches
+LLAMA4 = dict(norm_eps=1e-5, rope_theta=500000.0, n_shared_experts=1, router="sigmoid", balance_bias=False,
+              normalize_top_k=False, route_inputs=True, qk_norm="l2", nope_temperature=0.5, attention_chunk=8192,
+              rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                            "original_max_position_embeddings": 8192}, family="llama4_text")
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -283,6 +311,18 @@ FLAVORS = {
     "glm4_5": ModelArgs(dim=5120, n_layers=92, n_heads=96, n_kv_heads=8, head_dim=128, ffn_hidden=12288,
                         moe_hidden=1536, n_experts=160, dense_layers=(0, 1, 2), route_scale=2.5, qk_norm="head",
                         **GLM4_5),
+    # Llama 4: experts weighed on their inputs by an unbiased sigmoid router with a shared expert, a
+    # dense block, blocks without RoPE whose queries are temperature-tuned, L2 q/k norms, chunked
+    # attention, Llama 3's RoPE scaling. The CPU test size: a dense block with RoPE, then a sparse
+    # one without (floor 16: the tuning moves within a test's 64 positions); Scout for plan (its
+    # 10M positions cut to 131072: a RoPE table of 10M is 5 GB).
+    "debug_llama4": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                              n_experts=8, top_k=1, moe_hidden=64, dense_layers=(0,), nope_layers=(1,),
+                              temperature_floor=16, **LLAMA4),
+    "llama4_scout": ModelArgs(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048, head_dim=128,
+                              ffn_hidden=16384, n_experts=16, top_k=1, moe_hidden=8192,
+                              nope_layers=tuple(range(3, 48, 4)), max_seq_len=131072,
+                              **LLAMA4 | {"nope_temperature": 0.1}),
     # A CPU benchmark size (small_moe's width and experts) and its twin with grouped-query attention
     "small_mla": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=0, ffn_hidden=1024,
                            kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_experts=8,

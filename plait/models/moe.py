@@ -34,14 +34,14 @@ EXPERT_BIASES = ("experts.b1", "experts.b2", "experts.b3")  # gpt-oss's [E, n]: 
 
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, top_k: int, kind: str, normalize: bool, scale: float,
-                 gate_bias: bool = False, groups: int = 0, top_groups: int = 0):
+                 gate_bias: bool = False, groups: int = 0, top_groups: int = 0, balance_bias: bool = True):
         super().__init__()
         self.top_k, self.kind, self.normalize, self.scale = top_k, kind, normalize, scale
         self.groups, self.top_groups = groups, top_groups
         self.gate = nn.Linear(dim, n_experts, bias=gate_bias)  # (a trained bias on the logits: gpt-oss)
         # sigmoid: added to the scores to choose experts only; moved after each step towards balance
         # (plait/expert_load.py). A buffer: saved with the model, not trained.
-        self.register_buffer("bias", torch.zeros(n_experts) if kind == "sigmoid" else None)
+        self.register_buffer("bias", torch.zeros(n_experts) if kind == "sigmoid" and balance_bias else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [tokens, dim] -> (scores [tokens, E], chosen experts [tokens, k], their weights [tokens, k]), fp32."""
@@ -139,10 +139,11 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts = args.n_experts
         self.router = Router(dim, args.n_experts, args.top_k, args.router, args.normalize_top_k, args.route_scale,
-                             args.router_bias, args.n_groups, args.topk_groups)
+                             args.router_bias, args.n_groups, args.topk_groups, args.balance_bias)
         self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts, args.expert_bias, args.swiglu_limit,
                                       args.swiglu_alpha)
         self.shared = SharedExperts(dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None
+        self.route_inputs = args.route_inputs
         self.aux_scale = 0.0  # set by the trainer: coefficient / (MoE layers x micro-batches)
         # How the ranks that each hold part of the same sequences sum a tensor (context parallelism
         # sets it), and how many they are: the auxiliary loss is then that of the whole sequences.
@@ -159,8 +160,11 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.n_experts)
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         token = order // k
-        routed = self.experts(x[token], counts)
-        routed = routed * weights.flatten()[order, None].to(routed.dtype)
+        if self.route_inputs:  # (Llama 4: each expert's input scaled, in the input's dtype)
+            routed = self.experts(x[token] * weights.flatten()[order, None].to(x.dtype), counts)
+        else:
+            routed = self.experts(x[token], counts)
+            routed = routed * weights.flatten()[order, None].to(routed.dtype)
         # Each token's outputs are added in ascending expert order (transformers' order too).
         out = torch.zeros(x.shape[0], routed.shape[-1], dtype=routed.dtype, device=x.device).index_add_(0, token, routed)
         if torch.is_grad_enabled():

@@ -102,6 +102,7 @@ class Transformer(nn.Module):
         self.mtp_scale, self.mtp_records = 0.0, []
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.register_buffer("local_rope", torch.empty(0), persistent=False)  # (the sliding blocks' own, if any)
+        self.register_buffer("temperature", torch.empty(0), persistent=False)  # (Llama 4's, if any)
         self.reset_buffers()
 
     def blocks(self) -> list[TransformerBlock]:
@@ -116,6 +117,9 @@ class Transformer(nn.Module):
         self.rope = rope_table(a.rope_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
         if a.local_rope_theta:
             self.local_rope = rope_table(a.rope_dim, a.max_seq_len, a.local_rope_theta, a.local_rope_scaling).to(device)
+        if a.nope_temperature:  # (as transformers' Llama 4 computes it, in fp32)
+            steps = torch.floor((torch.arange(a.max_seq_len, dtype=torch.float32) + 1.0) / a.temperature_floor)
+            self.temperature = (torch.log1p(steps) * a.nope_temperature + 1.0).to(device)
         for moe in moe_layers(self):  # (a checkpoint's router biases are loaded after this)
             if moe.router.bias is not None:
                 moe.router.bias.zero_()
@@ -135,10 +139,12 @@ class Transformer(nn.Module):
         x = tokens if tokens.is_floating_point() else self.embed(tokens)
         start = cache.length if cache is not None else 0
         rope = self.rope[positions] if positions is not None else self.rope[start:]
-        local = rope if not self.args.local_rope_theta else \
-            self.local_rope[positions] if positions is not None else self.local_rope[start:]
+        tables = {"rope": rope}  # (each block's kind of table: RoPE's, the sliding blocks', Llama 4's temperature)
+        for kind, table in (("local_rope", self.local_rope), ("temperature", self.temperature)):
+            if table.numel():
+                tables[kind] = table[positions] if positions is not None else table[start:]
         for name, layer in self.layers.items():
-            x = layer(x, local if self.args.local_rope(int(name)) else rope, mask=mask, cache=cache)
+            x = layer(x, tables[self.args.block_table(int(name))], mask=mask, cache=cache)
         if next_tokens is not None and len(self.mtp) and torch.is_grad_enabled():
             x = self.predict_further(x, rope, mask, *next_tokens)
         if cache is not None:

@@ -162,7 +162,8 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
                            cp: int = 1, moe: bool = False, heads_split: int = 1, tail_keys: int = 0,
-                           latent_gather: bool = False, sequence_aux: bool = False, mx_experts: bool = False) -> int:
+                           latent_gather: bool = False, sequence_aux: bool = False, mx_experts: bool = False,
+                           nope: bool = False) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -212,7 +213,9 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     kv_kept = ulysses_kv_heads(kv, heads_split) // heads_split  # ... of this many key/value heads
     attention = (tokens * (2 * heads + (heads_split > 1 and not masked) * heads) + 2 * key_tokens * kv_kept) * hd * e
     log_sum_exp = 0 if masked else 4 * heads
-    qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8}[args.qk_norm]
+    # (Llama 4's L2 norm, weightless, keeps its fp32 input and 1/rms, in the blocks with RoPE alone)
+    qk_norms = {"none": 0, "head": (heads + kv) * (8 * hd + 4), "projection": 8 * (heads + kv) * hd + 8,
+                "l2": (heads + kv) * (4 * hd + 4) * (not nope)}[args.qk_norm]
     if args.kv_lora_rank:
         attention, qk_norms = tokens * latent_attention_bytes(args, e, tp, masked, cp, latent_gather), 0
     return norms + attention + tokens * (log_sum_exp + 4 * ffn * e + qk_norms) + experts
@@ -314,7 +317,7 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
                                        masked(cfg, args.own_mask(i)), cfg.parallelism.cp, args.sparse(i),
                                        ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens), latent_gather(cfg),
-                                       sequence_aux(args, cfg), mx_experts(args, cfg, e))
+                                       sequence_aux(args, cfg), mx_experts(args, cfg, e), i in args.nope_layers)
                 for i in blocks)
     if last:
         total += tokens // tp * (8 * args.dim + 4) + loss_bytes(args, cfg, tokens, e)
@@ -335,7 +338,8 @@ def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
     return tokens // tp * own + loss_bytes(args, cfg, tokens, e) + \
         block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block)), cfg.parallelism.cp,
                                args.sparse(block), ulysses_degree(cfg), window_tail_keys(args, cfg, block, tokens),
-                               latent_gather(cfg), sequence_aux(args, cfg), mx_experts(args, cfg, e))
+                               latent_gather(cfg), sequence_aux(args, cfg), mx_experts(args, cfg, e),
+                               block in args.nope_layers)
 
 
 def loss_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:

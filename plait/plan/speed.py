@@ -131,7 +131,7 @@ def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
                        for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal))
     saved = block_activation_bytes(args, tokens, e, "none", tp, is_masked, cp, args.sparse(block), heads_split,
-                                   latent_gather=latent_gather)
+                                   latent_gather=latent_gather, nope=block in args.nope_layers)
     moved = ELEMENTWISE_PASSES * saved + (2 * e + 3) * quantised
     elementwise = (1 + recompute / 3) * moved / cal.elementwise_rate(dtype, tokens * args.dim * e, cores)
     dense, sparse, _ = operator_counts(args)

@@ -28,7 +28,7 @@ from plait.proof.fuzz import Counterexample, Generator
 VOCAB, SEQ = 320, 40  # (windows are at most 16 keys: every window is shorter than the batch)
 LOGITS_BOUND = 1e-5  # fp32, as tests/test_families.py: measured <= 5e-7, other kernel orders
 EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
-           "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
+           "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts", "llama4_text": "num_local_experts"}
 ABSENT = object()  # a field left out of config.json
 
 
@@ -88,7 +88,9 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
     if grouped:  # (their defaults, 128 or 8 key heads and 8 experts a token, fit no small model)
         config |= {"num_key_value_heads": heads if family == "deepseek_v3" else draw(st.sampled_from([1, heads])),
                    "num_experts_per_tok": draw(st.integers(1, 2))}
-    if family == "gemma3_text":  # (its defaults, 4 key heads of 256, fit no small model)
+    if family == "llama4_text":  # (its dense blocks' size, which no default fits)
+        config["intermediate_size_mlp"] = draw(st.sampled_from([32, 64]))
+    if family in ("gemma3_text", "llama4_text"):  # (their defaults, 4 or 8 key heads of 256 or 128, fit no small model)
         config |= {"num_key_value_heads": draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0])),
                    "head_dim": head_dim}
     groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]))
@@ -118,6 +120,10 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
         "query_pre_attn_scalar": st.sampled_from([8, 16, 24]), "use_bidirectional_attention": st.just(False),
         "final_logit_softcapping": st.sampled_from([None, None, 30.0]),
         "attn_logit_softcapping": st.sampled_from([None, None, 50.0]),
+        "interleave_moe_layer_step": st.integers(1, 2),
+        "moe_layers": st.lists(st.integers(0, layers - 1), unique=True, max_size=layers),
+        "attn_temperature_tuning": st.booleans(), "attn_scale": st.sampled_from([0.1, 0.5]),
+        "floor_scale": st.sampled_from([4, 16, 8192]), "attention_chunk_size": st.sampled_from([64, 8192]),
     }
     nullable = nullable_fields(family)
     for name in class_fields(family):
@@ -169,7 +175,7 @@ RARELY_NULL = {"rope_interleave"}
 # Fields typed `X | None` whose null transformers' model then fails on (tests/test_families.py's
 # table of nulls checks plait refuses them): cases spent on them are skipped, so none are drawn.
 FAILS_ON_NULL = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"},
-                 "gemma3_text": {"sliding_window", "attention_dropout"},
+                 "gemma3_text": {"sliding_window", "attention_dropout"}, "llama4_text": {"attention_chunk_size"},
                  "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace",
                                  "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank"}}
 
