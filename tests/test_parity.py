@@ -158,7 +158,7 @@ MUON_BOUNDS = {**{(name, "fp32"): BITWISE for name in ("fsdp2_muon", "ddp_muon",
 # which parameter each wrapper holds, not the arithmetic bf16 rows check).
 SPMD = [name for name in LAYOUTS
         if not name.startswith(("pp", "single")) and not name.endswith("tied") and "moe" not in name
-        and "muon" not in name and "gpt_oss" not in name and "mla" not in name
+        and "muon" not in name and "gpt_oss" not in name and "mla" not in name and "llama4" not in name
         and not name.endswith("_mx") and name not in (*CONTEXT, *FLOAT8, *FAMILY_ROWS)]
 WORLD2_DP = ("ddp", "fsdp2", "classic_ddp", "simple_fsdp", "simple_ddp")
 # A pipeline without data parallelism computes each micro-batch as the single device does and

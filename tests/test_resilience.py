@@ -142,7 +142,9 @@ def test_the_launchers_exit_code_is_what_one_process_would_return():
 
 
 def test_sigusr1_without_a_checkpoint_folder_says_nothing_was_saved(tmp_path):
-    command = [sys.executable, "-m", "plait", "train", *TINY, *STEPS, "--metrics.log_interval", "1"]
+    # (SIGUSR1 also dumps the collectives beside the metrics: here, not into the repository)
+    command = [sys.executable, "-m", "plait", "train", *TINY, *STEPS, "--metrics.log_interval", "1",
+               "--metrics.jsonl", str(tmp_path / "metrics.jsonl")]
     at, out, code, _ = signal_at_random_step(command, signal.SIGUSR1)
     assert code == 128 + signal.SIGUSR1
     assert out.strip().splitlines()[-1].startswith("plait: stopped on SIGUSR1 after step ")
