@@ -1,11 +1,13 @@
 """A Hugging Face `config.json` (Llama and its relatives: Mistral, Qwen2/2.5, Qwen3, OLMo 2 and 3,
-SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss) <-> plait's ModelArgs.
+SmolLM3, Gemma 3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4.5,
+Llama 4) <-> plait's ModelArgs.
 
 Both layouts of the RoPE fields are read (plait/hf/rope_fields.py): the classic `rope_theta` +
-`rope_scaling`, and the `rope_parameters` that transformers 5 writes. Everything that changes what the model computes is
-either carried over exactly or refused by name: a model loaded into the wrong function would
-train on silently. Every field is read through plait/hf/fields.py: left out, the family's
-default (plait/hf/defaults.py); null, or of the wrong type, as transformers reads it or refused.
+`rope_scaling`, and the `rope_parameters` that transformers 5 writes. Everything that changes
+what the model computes is either carried over exactly or refused by name: a model loaded into
+the wrong function would train on silently. Every field is read through plait/hf/fields.py: left
+out, the family's default (plait/hf/defaults.py); null, or of the wrong type, as transformers
+reads it or refused.
 """
 
 from __future__ import annotations
