@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.models.moe import moe_layers
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 
 class ExpertLoad:

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custom_all_gather's interface (no public path)
 
 from plait.config import ConfigError, JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.moe import GroupedExperts
 from plait.models.transformer import Transformer
 

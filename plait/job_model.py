@@ -16,7 +16,7 @@ from plait.checkpoint.manifest import read_manifest, manifest_model
 from plait.config import ConfigError, JobConfig
 from plait.hf.config import describe_difference, is_hf_folder, model_args
 from plait.start_folder import job_tokenizer, start_folder
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.flavors import model_args as flavor_args
 from plait.models.flavors import shrunk
 

@@ -12,7 +12,7 @@ from plait import float8, parallel
 from plait.config import JobConfig, dp_degree, grad_accumulation_steps
 from plait.hardware import peak_flops
 from plait.hyperparameters import hf_start_lines
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer, num_params
 
 

@@ -181,6 +181,7 @@ DEEP = ["--model.n_layers", "4"]  # two stages per rank at pp 2 need four blocks
 QWEN3, QWEN2, OLMO2, OLMO3, GEMMA3, GLM, LLAMA4 = (["--model.flavor", f"debug_{family}"] for family in (
     "qwen3", "qwen2", "olmo2", "olmo3", "gemma3", "glm4_moe", "llama4"))
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
+HYBRID, HYBRID_MOE = ["--model.flavor", "debug_hybrid"], ["--model.flavor", "debug_hybrid_moe"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
 # DeepSeek-V3's sequence-wise balance loss at 1000x its 0.0001: strong enough that a layout's
 # wrong share of its gradient moves the losses past the parity bounds
@@ -348,6 +349,14 @@ LAYOUTS = {
     "ep2_llama4": (2, [*LLAMA4, *EP2]),
     "pp_llama4": (2, [*LLAMA4, *PP2]),
     "cp_llama4": (2, [*LLAMA4, *CP2, "--training.micro_batch_size", "2"]),
+    # Qwen3-Next (debug_hybrid: a linear-attention block, the gated delta rule, then a gated full one;
+    # debug_hybrid_moe: with experts and a gated shared expert). No cp: refused for linear blocks.
+    "single_hybrid": (1, [*HYBRID, "--training.micro_batch_size", "2"]),
+    "fsdp2_hybrid": (2, [*HYBRID, *degrees(1, 2)]),
+    "tp_hybrid": (2, [*HYBRID, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "pp_hybrid": (2, [*HYBRID, *PP2]),
+    "single_hybrid_moe": (1, [*HYBRID_MOE, "--training.micro_batch_size", "2"]),
+    "ep2_hybrid_moe": (2, [*HYBRID_MOE, *EP2]),
     "single_mla_f8": (1, [*MLA, *FLOAT8, "--training.micro_batch_size", "2"]),  # (the MTP module's layers too)
     "fsdp2_mla_f8": (2, [*MLA, *FLOAT8, *degrees(1, 2)]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their

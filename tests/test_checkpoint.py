@@ -38,7 +38,7 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
     parallelism, within TP's fp32 reduction-order difference for TP."""
     from plait.checkpoint.offline import load_full_state_dict
     from plait.checkpoint.manifest import read_manifest
-    from plait.models.flavors import ModelArgs
+    from plait.models.args import ModelArgs
     from plait.models.transformer import Transformer
     from plait.models.weights import init_weights
 
@@ -355,7 +355,7 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, seed_ck
     checkpoint, before anything is hashed."""
     from plait.checkpoint.manifest import check_compatible, read_manifest, saved_model
     from plait.config import ConfigError
-    from plait.models.flavors import ModelArgs
+    from plait.models.args import ModelArgs
 
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not the checkpoint's")
@@ -389,7 +389,7 @@ def test_dcp_metadata_naming_a_link_is_refused_as_the_manifest_is(tmp_path, seed
     from plait.checkpoint.manifest import check_compatible, read_manifest
     from plait.checkpoint.safe_dcp import read_metadata
     from plait.config import ConfigError
-    from plait.models.flavors import ModelArgs
+    from plait.models.args import ModelArgs
 
     forged = tmp_path / "forged"
     shutil.copytree(seed_ckpt, forged)
@@ -412,7 +412,7 @@ def test_a_manifest_from_a_newer_plait_is_one_line_naming_its_unknown_field(tmp_
     from plait.config import ConfigError
     from plait.generate import load
     from plait.hf.export import export_checkpoint
-    from plait.models.flavors import ModelArgs
+    from plait.models.args import ModelArgs
 
     newer = tmp_path / "newer"
     shutil.copytree(seed_ckpt, newer)
@@ -439,7 +439,7 @@ def test_hf_export_matches_transformers_and_imports_back_bitwise(tmp_path, seed_
     from plait.checkpoint.offline import load_full_state_dict
     from plait.checkpoint.manifest import read_manifest
     from plait.hf import HFWeights
-    from plait.models.flavors import ModelArgs
+    from plait.models.args import ModelArgs
     from plait.models.transformer import Transformer
 
     out = tmp_path / "hf"
@@ -468,7 +468,7 @@ def test_hf_folders_that_compute_differently_are_refused(tmp_path, seed_ckpt):
     from plait.checkpoint.manifest import read_manifest
     from plait.config import ConfigError
     from plait.hf import check
-    from plait.models.flavors import ModelArgs
+    from plait.models.args import ModelArgs
 
     out = tmp_path / "hf"
     plait("export", "--checkpoint", str(seed_ckpt), "--out", str(out), "--dtype", "float32")

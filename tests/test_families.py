@@ -94,6 +94,13 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
         interleave_moe_layer_step=2, floor_scale=16, attn_scale=0.5, attention_chunk_size=256,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # Qwen3-Next: linear-attention blocks 0-2 (the gated delta rule; 2 key heads of 16 to 4 value
+    # heads of 16; 200 positions cross its chunks of 64) and a gated full one (a quarter of each head
+    # rotated), zero-centred norms; 4 experts (2 each token) with a gated shared expert, block 1 dense
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1])),
 }
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -108,8 +115,10 @@ def make_hf_model(family: str):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.5)
-            elif "norm" in n:  # (Gemma's norms' gains are 1 + weight)
-                p.uniform_(0.5, 1.5).sub_(1 if family == "gemma3_text" else 0)
+            elif "norm" in n:  # (Gemma's and Qwen3-Next's norms' gains are 1 + weight)
+                p.uniform_(0.5, 1.5).sub_(1 if family in ("gemma3_text", "qwen3_next") else 0)
+            elif n.endswith("dt_bias"):  # (Qwen3-Next's linear attention: each head's own, away from 1)
+                p.normal_(0, 1)
         for n, b in model.named_buffers():  # (DeepSeek-V3's router balancing biases steer the choice)
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
@@ -428,7 +437,8 @@ SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_att
 EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mixtral": dict(num_local_experts=4),
                 "gpt_oss": dict(num_local_experts=4), "deepseek_v3": dict(n_routed_experts=16, moe_intermediate_size=48),
                 "glm4_moe": dict(n_routed_experts=16, moe_intermediate_size=48),
-                "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96)}
+                "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96),
+                "qwen3_next": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48)}
 
 
 @pytest.mark.parametrize("family", ["llama", *CONFIGS])
@@ -452,7 +462,8 @@ def test_a_config_json_of_sizes_alone_is_the_model_transformers_fills_in(tmp_pat
     for size in sizes:
         left = {k: v for k, v in sizes.items() if k != size}
         (tmp_path / "alone" / "config.json").write_text(json.dumps({"model_type": family, **left}))
-        named = "num_local_experts" if size == "num_experts" else size  # (Qwen3-MoE's two names: either will do)
+        # (Qwen3-MoE's two names: either will do)
+        named = "num_local_experts" if size == "num_experts" and family == "qwen3_moe" else size
         with pytest.raises(ConfigError, match=f"config.json lacks {named}$"):
             hf.model_args(tmp_path / "alone", "checkpoint.load")
 

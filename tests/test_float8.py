@@ -16,7 +16,8 @@ from plait.checkpoint.offline import load_full_state_dict
 from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.config import ConfigError
-from plait.models.flavors import ModelArgs, model_args
+from plait.models.args import ModelArgs
+from plait.models.flavors import model_args
 from plait.proof.trace import summarise
 
 # The debug model's blocks: 2 x (wq, wk, wv, wo, w1, w2, w3) run float8; the output layer does not.

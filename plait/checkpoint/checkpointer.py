@@ -39,7 +39,7 @@ from plait.config import ConfigError, JobConfig
 from plait.hf import tokenizer as hf_tokenizer
 from plait.hf.tokenizer import TOKENIZER
 from plait.hyperparameters import schedule
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer, num_params
 from plait.models.weights import fill_weights
 from plait.optim.optimizers import group_options

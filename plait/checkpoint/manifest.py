@@ -25,7 +25,7 @@ from plait.checkpoint import digests, safe_dcp
 from plait.checkpoint.digests import damaged
 from plait.config import CHECKPOINT_MANIFEST, ConfigError, JobConfig
 from plait.jsonl import is_int, is_number
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer
 
 MANIFEST = CHECKPOINT_MANIFEST

@@ -17,7 +17,7 @@ from plait.checkpoint.digests import verify
 from plait.checkpoint.manifest import new_manifest, read_manifest, write_manifest
 from plait.config import ConfigError, JobConfig
 from plait.hf.tokenizer import TOKENIZER
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer
 from plait.models.weights import init_weights
 

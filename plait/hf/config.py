@@ -1,6 +1,6 @@
 """A Hugging Face `config.json` (Llama and its relatives: Mistral, Qwen2/2.5, Qwen3, OLMo 2 and 3,
 SmolLM3, Gemma 3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4.5,
-Llama 4) <-> plait's ModelArgs.
+Llama 4, and the hybrid of linear and full attention Qwen3-Next) <-> plait's ModelArgs.
 
 Both layouts of the RoPE fields are read (plait/hf/rope_fields.py): the classic `rope_theta` +
 `rope_scaling`, and the `rope_parameters` that transformers 5 writes. Everything that changes
@@ -25,8 +25,9 @@ from plait.hf.fields import Fields, family_fields
 from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
 from plait.hf.llama4 import llama4_fields, llama4_switches
+from plait.hf.qwen_next import qwen3_next_fields, qwen3_next_switches
 from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings, rotary_fraction
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 def is_hf_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file()
@@ -42,7 +43,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "smollm3": "SmolLM3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
+            "gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
+            "qwen3_next": "Qwen3NextForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
 ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
@@ -50,7 +52,7 @@ UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_soft
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
                "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter", "use_bidirectional_attention": "bidirectional attention"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_text")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_text", "qwen3_next")
 
 
 def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
@@ -86,6 +88,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
         switches |= glm_switches(fields)
     if family == "gemma3_text":
         switches |= gemma_switches(fields)
+    if family == "qwen3_next":
+        switches |= qwen3_next_switches(fields, n_layers)
     if family == "llama4_text":
         switches |= llama4_switches(fields, n_layers, nope_layers(fields, n_layers))
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
@@ -240,9 +244,14 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         raise ConfigError(f"checkpoint: a {args.family} config.json has none of Llama 4's experts weighed on their "
                           "inputs, L2 q/k norms, temperature tuning or chunked attention; this model has (export it "
                           "as llama4_text)")
+    if args.family == "qwen3_next":
+        computed |= qwen3_next_fields(args)
+    elif args.linear_layers or args.attention_gate or args.shared_expert_gate:
+        raise ConfigError(f"checkpoint: a {args.family} config.json has no linear attention, gated attention or "
+                          "gated shared expert; this model has (export it as qwen3_next)")
     if args.family == "glm4_moe":
         computed |= glm_fields(args)
-    elif args.rotary_dim:
+    elif args.rotary_dim and args.family != "qwen3_next":
         raise ConfigError(f"checkpoint: a {args.family} config.json rotates every entry of a head; this model rotates "
                           f"{args.rotary_dim} of {args.head_dim} (export it as glm4_moe)")
     if args.family == "smollm3":

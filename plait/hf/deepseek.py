@@ -14,7 +14,7 @@ from plait.config import ConfigError
 from plait.hf.fields import Fields
 from plait import jsonl
 from plait.jsonl import is_int
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 # DeepSeek's remote-code fields: the one value transformers' DeepseekV3 computes
 REMOTE_FIELDS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}

@@ -24,7 +24,8 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "swiglu_alpha", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",
         "use_qk_norm", "hidden_activation", "query_pre_attn_scalar", "interleave_moe_layer_step", "moe_layers",
-        "attn_temperature_tuning", "attn_scale", "floor_scale", "attention_chunk_size")
+        "attn_temperature_tuning", "attn_scale", "floor_scale", "attention_chunk_size", "linear_conv_kernel_dim",
+        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -70,6 +71,11 @@ DEFAULTS = {
                              "no_rope_layer_interval": 4, "use_qk_norm": True, "interleave_moe_layer_step": 1,
                              "moe_layers": None, "attn_temperature_tuning": True, "attn_scale": 0.1,
                              "floor_scale": 8192, "attention_chunk_size": 8192},
+    "qwen3_next": COMMON | {"num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 32768,
+                            "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": None,
+                            "num_experts_per_tok": 10, "norm_topk_prob": True, "layer_types": None,
+                            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                            "linear_num_key_heads": 16, "linear_num_value_heads": 32},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
@@ -97,5 +103,5 @@ NULLABLE = {
     "deepseek_v3": {"num_key_value_heads", "norm_topk_prob", "q_lora_rank", "rope_interleave"},
     "glm4_moe": set(), "llama4_text": {"moe_layers", "no_rope_layers", "layer_types"},
     "gemma3_text": {"layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
-    "mixtral": {"head_dim", "sliding_window"},
+    "mixtral": {"head_dim", "sliding_window"}, "qwen3_next": {"mlp_only_layers", "layer_types"},
 }

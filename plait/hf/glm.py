@@ -9,7 +9,7 @@ from __future__ import annotations
 from plait.config import ConfigError
 from plait.hf.deepseek import grouped_router_fields, grouped_router_switches
 from plait.hf.fields import Fields
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 
 def glm_switches(fields: Fields) -> dict:

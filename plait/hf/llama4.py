@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from plait.config import ConfigError
 from plait.hf.fields import Fields
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 
 def llama4_switches(fields: Fields, n_layers: int, nope: tuple[int, ...]) -> dict:

@@ -9,7 +9,7 @@ from plait.config import ConfigError
 from plait.hf.defaults import ROPE_SCALING
 from plait.hf.fields import Fields, family_fields
 from plait.jsonl import is_number
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 ROPE_FIELDS = {"linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -22,8 +22,8 @@ ROPE_OBJECT = "an object (rope_type and its fields) or null"
 
 
 # The families whose attention rotates only part of each head, and the share their config class
-# gives where config.json says none (GLM-4.5's sets 0.5).
-PARTIAL_ROTARY = {"glm4_moe": 0.5}
+# gives where config.json says none (GLM-4.5's sets 0.5, Qwen3-Next's 0.25).
+PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_next": 0.25}
 
 
 def rotary_fraction(config: dict, family: str, where: str) -> float:

@@ -36,6 +36,9 @@ Parameter names (plait -> Hugging Face):
              feed_forward.router, feed_forward.shared.* -> feed_forward.shared_expert.*, its experts
              fused as gpt-oss's (gate_up_proj: gate then up, not interleaved); q and k not reordered
              (its RoPE is Meta's interleaved pairs)
+    Qwen3-Next: q/k/v/z, b/a and the convolutions of a linear block, and a full block's query and
+             output gate, are parts of its tensors (plait/hf/qwen_next.py); layers.N.attention.* of a
+             linear block -> model.layers.N.linear_attn.*; the shared expert (gated) -> mlp.shared_expert(_gate)
     Gemma 3's sandwich: attention_norm, post_attention_norm, ffn_norm, post_ffn_norm -> input_layernorm,
                                                post_attention_layernorm, pre_feedforward_layernorm,
                                                post_feedforward_layernorm
@@ -68,7 +71,8 @@ from plait.config import ConfigError
 from plait.file_names import first_stray
 from plait.hf.config import describe_difference
 from plait.hf.config import model_args as hf_model_args
-from plait.models.flavors import ModelArgs
+from plait.hf.qwen_next import fused_part, fused_whole, holder, qwen3_next_name
+from plait.models.args import ModelArgs
 
 LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
@@ -143,6 +147,8 @@ def hf_name(name: str, args: ModelArgs) -> str:
         return f"model.layers.{index}.{MTP_NAMES[rest.rsplit('.', 1)[0]]}.{rest.rsplit('.', 1)[1]}"
     if rest == ROUTER_BIAS:
         return f"model.layers.{index}.mlp.gate.e_score_correction_bias"
+    if args.family == "qwen3_next" and (named := qwen3_next_name(args, int(index), rest)):
+        return f"model.layers.{index}.{named}"
     module, kind = rest.rsplit(".", 1)
     norms = "sandwich" if args.sandwich_norm else "post" if args.post_norm else "pre"
     hf_module = (LAYER_NAMES | BLOCK_NORMS[norms])[module]
@@ -182,10 +188,23 @@ def fused_merged(state_dict: dict[str, torch.Tensor], name: str, family: str) ->
     return tensor
 
 
+def held_with_others(name: str, args: ModelArgs) -> tuple[str, list[str], tuple[int, ...], int] | None:
+    """Qwen3-Next: the tensor on disk that holds plait's `name` with others (plait/hf/qwen_next.py),
+    their names, their rows per group and the groups; None elsewhere."""
+    layer = LAYER.match(name)
+    held = holder(args, int(layer.group(1)), layer.group(2)) if layer and args.family == "qwen3_next" else None
+    if held is None:
+        return None
+    whole, names, rows, groups = held
+    return f"model.layers.{layer.group(1)}.{whole}", [f"layers.{layer.group(1)}.{n}" for n in names], rows, groups
+
+
 def rope_reordered(name: str, args: ModelArgs) -> bool:
     """Whether `name`'s rows are in RoPE's interleaved order here and in halves on disk (latent
     attention's and Llama 4's are interleaved on disk too)."""
-    return name.endswith(ROPE_ORDERED) and not args.kv_lora_rank and args.family != "llama4_text"
+    layer = LAYER.match(name)
+    linear = layer is not None and args.linear(int(layer.group(1)))  # (a linear block's q and k: no RoPE)
+    return name.endswith(ROPE_ORDERED) and not args.kv_lora_rank and args.family != "llama4_text" and not linear
 
 
 def to_hf_rope_order(weight: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
@@ -209,7 +228,7 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
     model.safetensors, or shards of at most `shard_bytes` and their index as transformers
     writes them. (A tied model has no output.weight: its embedding is all there is, as in
     the folders transformers writes.)"""
-    tensors = {}
+    tensors, parts = {}, {}
     for name, tensor in state_dict.items():
         if args.family in FUSED_EXPERTS and ".experts." in name:
             merged = fused_merged(state_dict, name, args.family)
@@ -218,6 +237,13 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
             continue
         if rope_reordered(name, args):
             tensor = to_hf_rope_order(tensor, args.head_dim, args.rope_dim)
+        if (held := held_with_others(name, args)) is not None:  # (written once it has every part)
+            whole, names, rows, groups = held
+            parts[name] = tensor
+            if all(n in parts for n in names):
+                tensors[whole] = fused_whole([parts[n] for n in names], rows, groups,
+                                             whole.endswith("conv1d.weight")).to(dtype).contiguous()
+            continue
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
             tensors[hf] = piece.to(dtype).contiguous()
@@ -298,7 +324,8 @@ def no_weight(name: str, args: ModelArgs) -> bool:
     copies of the embedding and output)."""
     layer = LAYER.match(name.removeprefix("model."))
     return name.endswith(".rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight") or (
-        args.family == "deepseek_v3" and layer is not None and int(layer.group(1)) >= args.n_layers)
+        args.family == "deepseek_v3" and layer is not None and int(layer.group(1)) >= args.n_layers) or (
+        args.family == "qwen3_next" and name.startswith("mtp."))  # (its MTP module, which transformers leaves too)
 
 
 def parameter_shapes(args: ModelArgs) -> tuple[list[str], dict[str, torch.Size]]:
@@ -339,6 +366,8 @@ class HFWeights(Mapping):
             tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
             if self.args.family in FUSED_EXPERTS and ".experts." in name:
                 tensor = fused_expert(name, tensor, self.args.family).contiguous()
+            if (held := held_with_others(name, self.args)) is not None:
+                tensor = fused_part(tensor, name, *held[1:]).contiguous()
             if rope_reordered(name, self.args):
                 tensor = from_hf_rope_order(tensor, self.args.head_dim, self.args.rope_dim)
         except RuntimeError:  # (a shape the reordering cannot take: refused below)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.masking import additive, allowed
 from plait.models.norms import ProjectionNorm, model_norm
 from plait.models.rope import apply_rope
@@ -42,7 +42,7 @@ class ScaledDotProduct(nn.Module):
     key/value heads (grouped-query attention, which SDPA's `enable_gqa` computes without a
     repeated copy of k and v: 20% less time forward + backward than repeating them). `mask`:
     None = causal over the sequence, SDPA's causal path; document ids [batch, keys]:
-    `masked_attention`; a BlockMask: FlexAttention (a dict of them: by window). `queries`: where
+    `masked_attention`; a dict of BlockMasks by window: FlexAttention. `queries`: where
     this rank's query rows lie in the sequence, as (first index, length) runs (default: the last
     q.shape[2] keys' positions, one run); `keys` likewise for k and v (default: from the first);
     `heads`: which of the module's heads q holds (default: all). `window` > 0: each query sees
@@ -165,6 +165,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
+        if args.attention_gate:  # (Qwen3-Next: the output times sigmoid of this, entry by entry)
+            self.wg = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.gated = args.attention_gate
         self.qk_norm, self.rope, self.rotary, self.norm_eps = args.qk_norm, rope, args.rope_dim, args.norm_eps
         self.temperature = bool(args.nope_temperature) and not rope  # (its table comes in RoPE's place)
         if args.qk_norm == "head":  # one weight of head_dim, shared by every head
@@ -198,7 +201,8 @@ class Attention(nn.Module):
             # Causal within the new positions; every cached one lies before them all: one document.
             mask = torch.zeros(batch, k.shape[1], dtype=torch.long, device=x.device)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return self.wo(out * torch.sigmoid(self.wg(x)) if self.gated else out)
 
 
 class KVCache:

@@ -1,170 +1,13 @@
-"""A model's shape and switches (ModelArgs), and the named shapes (flavors): Llama 3's sizes,
-the small sizes of its relatives, and tiny ones for tests. Plain data: the model is built from
-it in plait/models/.
+"""The named model shapes (flavors): Llama 3's sizes, the small sizes of its relatives, and tiny
+ones for tests. Plain data: the model is built from it in plait/models/.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int  # 0 = take it from the tokenizer
-    multiple_of: int = 256  # FFN hidden size is rounded up to this
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 8192
-    head_dim: int = 0  # 0 = dim / n_heads; Hugging Face configs may give another
-    rotary_dim: int = 0  # the entries of each query and key head RoPE rotates, the first ones (0: all; GLM-4.5: half)
-    ffn_hidden: int = 0  # 0 = from dim, ffn_dim_multiplier and multiple_of, as Meta's reference
-    tie_embeddings: bool = False  # the output layer multiplies by the embedding matrix itself
-    # None, or {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
-    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-    rope_scaling: dict | None = None
-    # The sliding blocks' own RoPE (OLMo 3, Gemma 3: local and global layers rotate by bases or
-    # scalings of their own): its base and scaling; 0 = as every other block.
-    local_rope_theta: float = 0.0
-    local_rope_scaling: dict | None = None
-    family: str = "llama"  # the Hugging Face model_type it is exported as
-    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
-    out_bias: bool = False  # a bias on the attention's output projection (with qkv_bias: attention_bias)
-    ffn_bias: bool = False  # biases on the SwiGLU's three projections (mlp_bias)
-    # RMSNorm of queries and keys before RoPE: "head" (Qwen3), "projection" (OLMo 2); "l2" (Llama 4):
-    # without weight, after RoPE, in the blocks with RoPE
-    qk_norm: str = "none"
-    post_norm: bool = False  # norm each sub-layer's output before the residual add (OLMo 2), not its input
-    sandwich_norm: bool = False  # norm each sub-layer's input and its output (Gemma 3)
-    zero_centered_norms: bool = False  # each RMSNorm's weight is its gain's offset from 1 (Gemma 3): x / rms * (1 + w)
-    embed_scale: bool = False  # the embedding's output times sqrt(dim) (Gemma)
-    activation: str = "silu"  # the dense feed-forward's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
-    attention_scalar: int = 0  # scores scaled by attention_scalar^-0.5 (0: head_dim; Gemma 3's query_pre_attn_scalar)
-    nope_layers: tuple[int, ...] = ()  # blocks whose attention uses no RoPE (SmolLM3: every fourth)
-    # Llama 4's temperature tuning in the blocks without RoPE: queries times
-    # log(1 + floor((position + 1) / temperature_floor)) x nope_temperature + 1 (0: off)
-    nope_temperature: float = 0.0
-    temperature_floor: int = 8192
-    # Llama 4's chunked attention in the blocks with RoPE: a query sees the keys of its chunk of
-    # attention_chunk positions (0: none). plait trains sequences of one chunk at most (refused past it).
-    attention_chunk: int = 0
-    # Sliding-window attention: a query sees itself and the sliding_window - 1 keys before it (0 =
-    # the whole sequence), in every block but full_layers (Mistral: all; Qwen: those below
-    # max_window_layers; gpt-oss and SmolLM3-style mixes: local and global blocks).
-    sliding_window: int = 0
-    full_layers: tuple[int, ...] = ()
-    # A learned logit per head that joins each softmax's denominator (gpt-oss): a query may give
-    # part of its attention to nothing.
-    attention_sinks: bool = False
-    # Mixture of experts (plait/models/moe.py): n_experts > 0 replaces the feed-forward of every block but
-    # dense_layers with top_k of n_experts SwiGLUs of moe_hidden each, plus n_shared_experts that
-    # every token goes through. router: "softmax" (then top k, renormalised if normalize_top_k;
-    # Qwen3-MoE, Mixtral) or "sigmoid" (a load-balancing bias steers the choice; DeepSeek-V3).
-    n_experts: int = 0
-    top_k: int = 0
-    moe_hidden: int = 0
-    n_shared_experts: int = 0
-    router: str = "softmax"
-    normalize_top_k: bool = True
-    route_scale: float = 1.0
-    balance_bias: bool = True  # a sigmoid router's load-balancing bias (DeepSeek-V3); False: none (Llama 4)
-    route_inputs: bool = False  # the router's weights scale each expert's input, not its output (Llama 4)
-    dense_layers: tuple[int, ...] = ()
-    # gpt-oss's experts: a bias on each expert's projections and on the router's logits, and the
-    # clamped SwiGLU (swiglu_limit > 0): gate clamped above and up on both sides at the limit,
-    # then gate * sigmoid(swiglu_alpha * gate) * (up + 1).
-    expert_bias: bool = False
-    router_bias: bool = False
-    swiglu_limit: float = 0.0
-    swiglu_alpha: float = 1.702
-    # Multi-head latent attention (DeepSeek-V2/V3, plait/models/latent_attention.py) where
-    # kv_lora_rank > 0: keys and values expand from a latent of kv_lora_rank per token, each
-    # head's key is qk_nope_head_dim of its own and a RoPE key of qk_rope_head_dim shared by
-    # every head, values are v_head_dim; queries through a latent of q_lora_rank (0: one
-    # projection). head_dim is then the query/key head (nope + rope), n_kv_heads n_heads.
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    # DeepSeek-V3's group-limited routing: the experts in n_groups groups, a token's top_k from
-    # the topk_groups groups whose two best (biased) scores sum highest (0: no groups).
-    n_groups: int = 0
-    topk_groups: int = 0
-    # DeepSeek-V3's multi-token prediction: mtp_layers (0 or 1) more blocks after the last; from
-    # the last block's output and the embedding of token t+1 one predicts token t+2 (training only).
-    mtp_layers: int = 0
-
-    def __post_init__(self):
-        # (a manifest's JSON gives a list back)
-        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-        object.__setattr__(self, "full_layers", tuple(self.full_layers))
-        # Settled once, so a checkpoint's manifest records every number of the shape.
-        if self.kv_lora_rank:
-            object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        if not self.v_head_dim:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
-        if not self.ffn_hidden:
-            hidden = int(2 * 4 * self.dim / 3)
-            if self.ffn_dim_multiplier is not None:
-                hidden = int(self.ffn_dim_multiplier * hidden)
-            object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
-
-    @property
-    def sequence_limit(self) -> int:
-        """The longest sequence plait computes for the model: its positions, or one attention chunk."""
-        return min(self.max_seq_len, self.attention_chunk or self.max_seq_len)
-
-    @property
-    def rope_dim(self) -> int:
-        """The entries of a query or key head that RoPE rotates (under latent attention: its RoPE part)."""
-        return self.qk_rope_head_dim if self.kv_lora_rank else self.rotary_dim or self.head_dim
-
-    def sparse(self, block: int) -> bool:
-        """Whether block `block` is a mixture of experts."""
-        return bool(self.n_experts) and block not in self.dense_layers
-
-    def window(self, block: int) -> int:
-        """Block `block`'s attention window (0: the whole sequence)."""
-        return 0 if block in self.full_layers else self.sliding_window
-
-    def local_rope(self, block: int) -> bool:
-        """Whether block `block` rotates by the sliding blocks' own RoPE."""
-        return bool(self.local_rope_theta and self.window(block))
-
-    def block_table(self, block: int) -> str:
-        """Which of the model's per-position tables block `block` takes: "rope", "local_rope" (the
-        sliding blocks' own) or "temperature" (Llama 4's, in the blocks without RoPE)."""
-        if self.nope_temperature and block in self.nope_layers:
-            return "temperature"
-        return "local_rope" if self.local_rope(block) else "rope"
-
-    @property
-    def windows(self) -> tuple[int, ...]:
-        """The distinct windows of the blocks, ascending (0: a block over the whole sequence)."""
-        return tuple(sorted({self.window(block) for block in range(self.n_layers)}))
-
-    def own_mask(self, block: int) -> bool:
-        """Whether block `block` attends under a mask even where the sequence is causal alone
-        (a window, or sinks: SDPA's causal path has neither)."""
-        return bool(self.window(block)) or self.attention_sinks
-
-    @property
-    def sparse_blocks(self) -> int:
-        return sum(map(self.sparse, range(self.n_layers)))
-
-    def __hash__(self) -> int:  # (rope_scaling is a dict: hashed by its items)
-        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(self).values()))
-
+from plait.models.args import ModelArgs
 
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                 "beta_slow": 1.0, "truncate": False}
@@ -188,6 +31,11 @@ LLAMA4 = dict(norm_eps=1e-5, rope_theta=500000.0, n_shared_experts=1, router="si
               normalize_top_k=False, route_inputs=True, qk_norm="l2", nope_temperature=0.5, attention_chunk=8192,
               rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                             "original_max_position_embeddings": 8192}, family="llama4_text")
+# Qwen3-Next's switches; the test sizes' heads (2 key heads of 16 to 4 value heads of 16)
+QWEN3_NEXT = dict(norm_eps=1e-6, head_dim=32, rotary_dim=8, qk_norm="head", zero_centered_norms=True,
+                  attention_gate=True, linear_layers=(0,), linear_key_heads=2, linear_value_heads=4,
+                  linear_key_dim=16, linear_value_dim=16, family="qwen3_next")
+QWEN3_NEXT_MOE = QWEN3_NEXT | dict(n_shared_experts=1, shared_expert_gate=True)
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -323,6 +171,20 @@ FLAVORS = {
                               ffn_hidden=16384, n_experts=16, top_k=1, moe_hidden=8192,
                               nope_layers=tuple(range(3, 48, 4)), max_seq_len=131072,
                               **LLAMA4 | {"nope_temperature": 0.1}),
+    # Qwen3-Next: three linear-attention blocks (the gated delta rule) to one of gated attention
+    # (an output gate, a quarter of each head rotated, zero-centred norms), the MoE's shared expert
+    # gated. The CPU test sizes: a linear block then a full one, chunks of 16 (a test's 64-token
+    # sequences cross chunks), dense and with experts; the 80B for plan.
+    "debug_hybrid": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                              linear_chunk=16, **QWEN3_NEXT),
+    "debug_hybrid_moe": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                                  linear_chunk=16, n_experts=8, top_k=2, moe_hidden=64, **QWEN3_NEXT_MOE),
+    "qwen3_next_80b_a3b": ModelArgs(dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, vocab_size=151936,
+                                    ffn_hidden=5632, max_seq_len=262144, rope_theta=10000000.0, n_experts=512,
+                                    top_k=10, moe_hidden=512, **QWEN3_NEXT_MOE | {
+                                        "head_dim": 256, "rotary_dim": 64, "linear_layers": tuple(
+                                            i for i in range(48) if i % 4 != 3), "linear_key_heads": 16,
+                                        "linear_value_heads": 32, "linear_key_dim": 128, "linear_value_dim": 128}),
     # A CPU benchmark size (small_moe's width and experts) and its twin with grouped-query attention
     "small_mla": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=0, ffn_hidden=1024,
                            kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_experts=8,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from plait.models.attention import KVCache, ScaledDotProduct
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.norms import RMSNorm
 from plait.models.rope import apply_rope, softmax_scale
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 
 class FeedForward(nn.Module):

@@ -143,6 +143,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args.moe_hidden, args.n_experts, args.expert_bias, args.swiglu_limit,
                                       args.swiglu_alpha)
         self.shared = SharedExperts(dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None
+        # (Qwen3-Next: the shared expert's output times sigmoid of one projection of the token)
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert_gate else None
         self.route_inputs = args.route_inputs
         self.aux_scale = 0.0  # set by the trainer: coefficient / (MoE layers x micro-batches)
         # How the ranks that each hold part of the same sequences sum a tensor (context parallelism
@@ -176,7 +178,9 @@ class MoE(nn.Module):
                 self.records.append((counts, None if aux is None else aux.detach()))
             if aux is not None and self.aux_scale:
                 out = AuxLoss.apply(out, aux, self.aux_scale)
-        if self.shared is not None:
+        if self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        elif self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
 

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.attention import Attention, KVCache
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.latent_attention import LatentAttention
+from plait.models.linear_attention import GatedDeltaNet, conv_init_std
 from plait.models.loss import OutputLoss, whole_logits_loss
 from plait.models.mlp import FeedForward
 from plait.models.moe import EXPERT_BIASES, AuxLoss, MoE, in_backward, moe_layers
@@ -30,7 +31,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.post_norm, self.sandwich_norm = args.post_norm, args.sandwich_norm
         self.attention_norm = model_norm(args.dim, args)
-        self.attention = LatentAttention(args, args.window(index)) if args.kv_lora_rank else \
+        self.attention = GatedDeltaNet(args) if args.linear(index) else \
+            LatentAttention(args, args.window(index)) if args.kv_lora_rank else \
             Attention(args, rope=index not in args.nope_layers, window=args.window(index))
         self.ffn_norm = model_norm(args.dim, args)
         self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
@@ -129,8 +131,8 @@ class Transformer(nn.Module):
                 labels: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
         """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
         `mask` (plait/models/masking.py): which keys each query sees: None = causal over the
-        sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMask (a dict
-        of them by window, where blocks differ in their window). `next_tokens`: (token t+1, token
+        sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMasks by window
+        with the document ids ("documents": linear attention's). `next_tokens`: (token t+1, token
         t+2) at each position (-100: none), for multi-token prediction's loss. `labels`: return
         the mean next-token loss over the labels not -100 instead of the logits (`per_token`: each
         token's, 0 where -100, without gradient)."""
@@ -195,6 +197,12 @@ class Transformer(nn.Module):
         Residual-branch outputs (wo, w2) shrink with depth as in torchtitan, so the residual
         stream keeps its scale at init however deep the model is.
         """
+        if name.endswith("out_norm.weight"):  # linear attention's gated norm: a plain gain
+            return None
+        if name.endswith(("conv_q", "conv_k", "conv_v")):
+            return conv_init_std(self.args)
+        if name.endswith("dt_bias"):  # (ones, as transformers' Qwen3-Next)
+            return None
         if name.endswith("norm.weight"):  # (a zero-centred norm's weight is its offset from 1)
             return 0.0 if self.args.zero_centered_norms else None
         # (sinks from 0: at first a sink takes what one zero score would; experts' biases are b1, b2, b3)
@@ -215,14 +223,16 @@ def initial_value(model: Transformer, name: str, shape: torch.Size, seed: int) -
     Keying the random stream on the name makes the init independent of layout, rank count
     and construction order: every layout slices its shard out of the same full tensor.
     """
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+    generator = torch.Generator().manual_seed(key)
+    if name.endswith("A_log"):  # linear attention's gate rates e^A_log, uniform in [1, 16] per head (Mamba's)
+        return torch.empty(shape).uniform_(1, 16, generator=generator).log()
     std = model.init_std(name)
     if std is None:
         return torch.ones(shape)
     if std == 0:
         return torch.zeros(shape)
-    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
-    value = torch.empty(shape)
-    return nn.init.trunc_normal_(value, std=std, a=-3 * std, b=3 * std, generator=torch.Generator().manual_seed(key))
+    return nn.init.trunc_normal_(torch.empty(shape), std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
 def row_log_likelihoods(token_losses: torch.Tensor) -> torch.Tensor:
@@ -251,15 +261,29 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs; a
     sliding block's queries each meet at most its window of keys: 12 * dim * min(seq, window).
     Under latent attention a head's scores and values are head_dim and v_head_dim wide: dim is
-    then n_heads x their mean.
+    then n_heads x their mean. A linear block's token mixing counts what its chunked form
+    multiplies per token (`linear_mixing_flops`) in place of scores.
     """
     with torch.device("meta"):
         n = num_params(Transformer(args), exclude_embedding=True, active=True)
     # a matmul, though no parameter of its own: a tied output layer, and the output layer's use by each MTP module
     tied_output = args.vocab_size * args.dim * (args.tie_embeddings + args.mtp_layers)
-    keys = sum(min(seq_len, args.window(block) or seq_len) for block in range(args.n_layers + args.mtp_layers))
+    blocks = [block for block in range(args.n_layers + args.mtp_layers) if not args.linear(block)]
+    keys = sum(min(seq_len, args.window(block) or seq_len) for block in blocks)
     width = args.n_heads * (args.head_dim + args.v_head_dim) / 2 if args.kv_lora_rank else args.dim
-    return 6 * (n + tied_output) + 12 * width * keys
+    return 6 * (n + tied_output) + 12 * width * keys + len(args.linear_layers) * linear_mixing_flops(args)
+
+
+def linear_mixing_flops(args: ModelArgs) -> float:
+    """Training FLOPs per token of one linear block's gated delta rule (3x its forward's), per
+    value head: within its chunk k.k and q.k (2 x chunk x key dim), the scores times the
+    corrections (chunk x value dim), the triangular solve for values and keys (chunk/2 x both
+    widths), and the state read twice and written once (3 x key dim x value dim); 2 FLOPs a
+    multiply-add."""
+    dk, dv = args.linear_key_dim, args.linear_value_dim
+    chunk = args.linear_chunk
+    per_head = chunk * (2 * dk + dv) + chunk * (dk + dv) / 2 + 3 * dk * dv
+    return 3 * 2 * args.linear_value_heads * per_head
 
 
 def linear_weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:

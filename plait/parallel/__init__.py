@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait import float8
 from plait.config import JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer
 from plait.models.moe import MoE
 from plait.parallel.activation_checkpoint import apply_ac

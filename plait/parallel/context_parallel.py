@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.config import ConfigError, JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.masking import block_mask, document_ids, positions_in_documents
 from plait.models.moe import moe_layers
 
@@ -81,6 +81,10 @@ def check_heads(args: ModelArgs, cfg: JobConfig) -> None:
     before any process group."""
     p = cfg.parallelism
     heads = args.n_heads // p.tp
+    if p.cp > 1 and args.linear_layers:
+        raise ConfigError(f"parallelism.cp: {p.cp} would split the sequences of linear-attention blocks "
+                          f"{list(args.linear_layers)}, whose state plait does not yet pass between cp ranks; "
+                          "allowed: 1 (dp, tp, pp and ep split this model)")
     if p.cp > 1 and p.cp_kind == "ulysses" and heads % p.cp:
         raise ConfigError(f"parallelism.cp: {p.cp} does not divide the {heads} query heads each tp rank holds "
                           f"(parallelism.cp_kind ulysses splits them over cp); allowed: a divisor of {heads}, or "
@@ -143,7 +147,8 @@ class BatchLayout:
     causal mask without cp, the batch as it is (SDPA's causal path); else RoPE positions and a
     mask (plait/models/masking.py) for this rank's share of the sequence. Under Ulysses
     (`whole_sequences`: attention meets whole sequences) the causal mask needs no mask either.
-    FlexAttention gets a BlockMask per attention window of the model (`windows`, 0 = none). A model
+    FlexAttention gets a BlockMask per attention window of the model (`windows`, 0 = none), and the
+    document ids. A model
     that predicts further tokens (multi-token prediction) gets tokens t+1 and t+2 of each position."""
 
     def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int, whole_sequences: bool = False,
@@ -159,10 +164,9 @@ class BatchLayout:
         plain.document = False
         return plain
 
-    def flex_masks(self, documents: torch.Tensor, queries: torch.Tensor):
-        if self.windows == (0,):
-            return block_mask(documents, queries)
-        return {window: block_mask(documents, queries, window) for window in self.windows}
+    def flex_masks(self, documents: torch.Tensor, queries: torch.Tensor) -> dict:
+        """FlexAttention's BlockMask by window, and the document ids (linear attention's restarts)."""
+        return {window: block_mask(documents, queries, window) for window in self.windows} | {"documents": documents}
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mine, my_labels, kwargs = self.split(inputs, labels)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from plait.config import ConfigError, JobConfig
 from plait.models.moe import GroupedExperts, moe_layers, swiglu_experts
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 
 def check_expert_options(cfg: JobConfig) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer, row_log_likelihoods
 from plait.models.moe import moe_layers
 from plait.parallel import parallelize

@@ -13,6 +13,11 @@ columns, wo and w2 biases are added once after the reduction; a per-head q/k nor
 shared by every head) is replicated and normalises the rank's heads; a q/k norm over the whole
 projection splits its weight with the heads and completes its mean square with one all-reduce.
 
+A linear-attention block (the gated delta rule) splits its heads too: q, k, v, the output gate
+and the per-head step and gate projections column-wise, the output projection row-wise; the
+convolution's channels, A_log and dt_bias with their heads (`LinearHeadsParallel`); its output
+norm's one weight is whole on every rank, with partial gradients.
+
 Latent attention (DeepSeek-V3) splits its heads the same way (wq or wq_b, wkv_b column-wise, wo
 row-wise) and keeps the latent projections and their norms (wq_a, q_a_norm, wkv_a, kv_a_norm)
 whole on every rank, as torchtitan's plan does: they are small (the latents are 512-1536 wide
@@ -39,8 +44,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from plait.config import ConfigError, JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.latent_attention import LatentAttention
+from plait.models.linear_attention import GatedDeltaNet
 from plait.models.loss import VocabShard
 from plait.models.moe import MoE
 from plait.models.transformer import TiedOutput
@@ -52,6 +58,8 @@ def check_divisibility(args: ModelArgs, cfg: JobConfig) -> None:
     if tp == 1:
         return
     sizes = {"model n_heads": args.n_heads, "model n_kv_heads": args.n_kv_heads, "model FFN hidden size": args.ffn_hidden}
+    if args.linear_layers:
+        sizes |= {"model linear_key_heads": args.linear_key_heads, "model linear_value_heads": args.linear_value_heads}
     if p.loss_parallel or cfg.training.loss_chunk:
         sizes["vocabulary size (parallelism.loss_parallel or training.loss_chunk)"] = args.vocab_size
     if p.sequence_parallel:
@@ -101,6 +109,21 @@ class HeadsParallel(ParallelStyle):
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         module.register_parameter("sinks", nn.Parameter(distribute_tensor(module.sinks, mesh, [Shard(0)])))
         module.sink_logits = lambda: module.sinks.to_local()
+        return module
+
+
+class LinearHeadsParallel(ParallelStyle):
+    """A linear-attention block's parameters per channel or head (the convolutions, A_log,
+    dt_bias), split as its projections' heads are; its output norm's weight whole on each rank,
+    whose gradient is the rank's heads' part (Partial: summed once)."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), mesh, [Shard(0)])))
+        norm = module.out_norm
+        norm.register_parameter("weight", nn.Parameter(distribute_tensor(norm.weight, mesh, [Replicate()])))
+        module.local = lambda name: getattr(module, name).to_local()
+        norm.gain = lambda: norm.weight.to_local(grad_placements=[Partial()])
         return module
 
 
@@ -208,6 +231,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
         }
+        if isinstance(block.attention, GatedDeltaNet):
+            plan |= {f"attention.{name}": ColwiseParallel() for name in ("wz", "wb", "wa")}
+            parallelize_module(block.attention, tp_mesh, LinearHeadsParallel())
+        elif getattr(block.attention, "gated", False):  # (Qwen3-Next's output gate, split with the heads)
+            plan["attention.wg"] = ColwiseParallel()
         if isinstance(block.attention, LatentAttention):
             plan = latent_attention_plan(block.attention, between)
             block.attention.register_forward_pre_hook(latent_input(between, tp_mesh), with_kwargs=True)
@@ -225,10 +253,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             plan["ffn_norm"] = SequenceParallel(use_local_output=block.post_norm)
             if block.sandwich_norm:  # (Gemma 3's norms after the sub-layers, as OLMo 2's)
                 plan["post_attention_norm"] = plan["post_ffn_norm"] = SequenceParallel(use_local_output=True)
-        if block.attention.qk_norm == "head":  # on [batch, seq, local heads, head_dim]: heads are dim 2
+        qk_norm = getattr(block.attention, "qk_norm", "none")  # (a linear block has none)
+        if qk_norm == "head":  # on [batch, seq, local heads, head_dim]: heads are dim 2
             plan["attention.q_norm"] = plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        elif block.attention.qk_norm == "projection":
+        elif qk_norm == "projection":
             plan["attention.q_proj_norm"] = plan["attention.k_proj_norm"] = ProjectionNormParallel()
-        if block.attention.core.sinks is not None:
+        if hasattr(block.attention, "core") and block.attention.core.sinks is not None:
             plan["attention.core"] = HeadsParallel()
         parallelize_module(block, tp_mesh, plan)

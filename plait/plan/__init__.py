@@ -34,7 +34,7 @@ import torch
 from plait.arguments import parse, parse_args
 from plait.checks import check_sizes
 from plait.config import ConfigError, JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer, num_params
 from plait.hyperparameters import debug_defaults_warning, left_at_debug_defaults
 from plait.job_model import model_shape

@@ -11,7 +11,7 @@ from collections import Counter
 
 from plait import float8
 from plait.config import JobConfig, dp_degree
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.features import latent_gather, sequence_aux, ulysses_degree, ulysses_kv_heads, window_tail_keys
 from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,

@@ -9,7 +9,7 @@ import torch
 
 from plait import float8
 from plait.config import JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 
 
 def ulysses_kv_heads(kv: int, n: int) -> int:

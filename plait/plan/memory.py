@@ -18,10 +18,11 @@ import torch
 from plait import float8
 from plait.config import JobConfig
 from plait.models.attention import QUERY_BLOCK, query_block
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer
 from plait.optim.optimizers import uses_muon
 from plait.parallel.activation_checkpoint import checkpointed_blocks
+from plait.plan.linear_blocks import linear_mixer_bytes
 from plait.plan.features import (latent_gather, masked, mx_experts, sequence_aux, ulysses_degree, ulysses_kv_heads,
                                  window_tail_keys)
 
@@ -163,7 +164,7 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: int, masked: bool = False,
                            cp: int = 1, moe: bool = False, heads_split: int = 1, tail_keys: int = 0,
                            latent_gather: bool = False, sequence_aux: bool = False, mx_experts: bool = False,
-                           nope: bool = False) -> int:
+                           nope: bool = False, linear: bool = False) -> int:
     """What one block's forward leaves for backward, per AC mode (e: compute dtype bytes).
 
     none, per token: each RMSNorm keeps its input in fp32 (the input itself in fp32, a copy in
@@ -189,15 +190,20 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     keep what norms before them do: their fp32 input and values, and the linear layers keep the
     block input in their stead; norms on both sides (sandwich_norm) keep both. (A zero-centred
     norm's 1 + w, one copy of its weight per call, is left out: under 0.2% in the smallest rows.)
-    Latent attention: `latent_attention_bytes`. A mixture of experts (`moe`) keeps what
-    `moe_bytes` says in the SwiGLU's stead (predicted at tp 1).
+    Latent attention: `latent_attention_bytes`; linear attention (`linear`, the gated delta rule):
+    `linear_mixer_bytes`. A mixture of experts (`moe`) keeps what `moe_bytes` says in the SwiGLU's
+    stead (predicted at tp 1).
     """
     d, heads, kv, hd, ffn = args.dim, args.n_heads // tp, args.n_kv_heads // tp, args.head_dim, args.ffn_hidden // tp
     experts = moe_bytes(args, tokens, e, mode, sequence_aux, mx_experts) if moe else 0
     if moe:
         ffn = 0
+    mixer = tokens * linear_mixer_bytes(args, e, mode, tp) if linear else 0
     if mode == "full":
         return tokens * e * d // tp + experts
+    if linear and mode == "selective":  # (the norms' and feed-forward's as below, its own mixer's)
+        kept = 2 * ffn + (1 + (not moe)) * d + (2 * d // tp if tp > 1 else 0) + d // tp
+        return tokens * e * kept + mixer + experts
     if mode == "selective":
         # wq, wk, wv, w1, w3; wo and w2 (full-sequence partial sums, and under TP their scattered sums)
         projections = heads * hd + 2 * kv * hd
@@ -218,6 +224,8 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
                 "l2": (heads + kv) * (4 * hd + 4) * (not nope)}[args.qk_norm]
     if args.kv_lora_rank:
         attention, qk_norms = tokens * latent_attention_bytes(args, e, tp, masked, cp, latent_gather), 0
+    if linear:
+        attention, qk_norms, log_sum_exp = mixer, 0, 0
     return norms + attention + tokens * (log_sum_exp + 4 * ffn * e + qk_norms) + experts
 
 
@@ -317,7 +325,8 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
                                        masked(cfg, args.own_mask(i)), cfg.parallelism.cp, args.sparse(i),
                                        ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens), latent_gather(cfg),
-                                       sequence_aux(args, cfg), mx_experts(args, cfg, e), i in args.nope_layers)
+                                       sequence_aux(args, cfg), mx_experts(args, cfg, e), i in args.nope_layers,
+                                       args.linear(i))
                 for i in blocks)
     if last:
         total += tokens // tp * (8 * args.dim + 4) + loss_bytes(args, cfg, tokens, e)

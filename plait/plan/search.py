@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from plait.arguments import given_options
 from plait.checks import check_options
 from plait.config import ConfigError, JobConfig
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import flops_per_token
 from plait.plan.calibration import Calibration
 from plait.plan.comm import collectives

@@ -31,7 +31,7 @@ import torch
 from plait import float8
 from plait.config import JobConfig
 from plait.models.attention import query_block
-from plait.models.flavors import ModelArgs
+from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed

@@ -28,7 +28,8 @@ from plait.proof.fuzz import Counterexample, Generator
 VOCAB, SEQ = 320, 40  # (windows are at most 16 keys: every window is shorter than the batch)
 LOGITS_BOUND = 1e-5  # fp32, as tests/test_families.py: measured <= 5e-7, other kernel orders
 EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
-           "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts", "llama4_text": "num_local_experts"}
+           "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts", "llama4_text": "num_local_experts",
+           "qwen3_next": "num_experts"}
 ABSENT = object()  # a field left out of config.json
 
 
@@ -90,11 +91,16 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
                    "num_experts_per_tok": draw(st.integers(1, 2))}
     if family == "llama4_text":  # (its dense blocks' size, which no default fits)
         config["intermediate_size_mlp"] = draw(st.sampled_from([32, 64]))
-    if family in ("gemma3_text", "llama4_text"):  # (their defaults, 4 or 8 key heads of 256 or 128, fit no small model)
+    if family == "qwen3_next":  # (a dense one too; its shared expert 1 or 2 experts wide, as plait holds it)
+        config[EXPERTS[family]] = draw(st.sampled_from([0, experts]))
+        config["shared_expert_intermediate_size"] = config["moe_intermediate_size"] * draw(st.integers(1, 2))
+    # (their defaults, 2-8 key heads of 128 or 256, fit no small model)
+    if family in ("gemma3_text", "llama4_text", "qwen3_next"):
         config |= {"num_key_value_heads": draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0])),
                    "head_dim": head_dim}
     groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]))
-    layer_list = st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=layers, max_size=layers)
+    kinds = ["linear_attention" if family == "qwen3_next" else "sliding_attention", "full_attention"]
+    layer_list = st.lists(st.sampled_from(kinds), min_size=layers, max_size=layers)
     legal = {
         "num_key_value_heads": st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]),
         "head_dim": st.just(head_dim), "hidden_act": st.sampled_from(["silu", "silu", "silu", "gelu"]),
@@ -124,6 +130,9 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
         "moe_layers": st.lists(st.integers(0, layers - 1), unique=True, max_size=layers),
         "attn_temperature_tuning": st.booleans(), "attn_scale": st.sampled_from([0.1, 0.5]),
         "floor_scale": st.sampled_from([4, 16, 8192]), "attention_chunk_size": st.sampled_from([64, 8192]),
+        "linear_conv_kernel_dim": st.integers(2, 4), "linear_key_head_dim": st.sampled_from([8, 16]),
+        "linear_value_head_dim": st.sampled_from([8, 16]), "linear_num_key_heads": st.sampled_from([1, 2]),
+        "linear_num_value_heads": st.sampled_from([2, 4]),
     }
     nullable = nullable_fields(family)
     for name in class_fields(family):
@@ -209,8 +218,8 @@ def transformers_model(folder: Path):
                 if name.endswith(("bias", "sinks")):
                     p.normal_(0, 0.5 if "correction" not in name else 0.1)
                 elif "norm" in name:  # (Gemma's norms' gains are 1 + weight)
-                    p.uniform_(0.5, 1.5).sub_(1 if config.model_type == "gemma3_text" else 0)
-            logits = model(batch()).logits
+                    p.uniform_(0.5, 1.5).sub_(1 if config.model_type in ("gemma3_text", "qwen3_next") else 0)
+            logits = model(batch(), use_cache=False).logits  # (a cache of linear blocks alone fails in it)
     except Exception:  # noqa: BLE001 (any failure of transformers' own: the case is not a model)
         return None, None
     raw = (folder / "config.json").read_text()
@@ -284,7 +293,7 @@ def check(config: dict) -> str:
             diff = (ours(batch()) - logits).abs().max().item()
             if not diff <= LOGITS_BOUND:
                 raise Counterexample(f"accepted and different: max |logits - transformers'| {diff:.3g}; {case}")
-            again = (exported(ours, folder, out)(batch()).logits - logits).abs().max().item()
+            again = (exported(ours, folder, out)(batch(), use_cache=False).logits - logits).abs().max().item()
             if not again <= LOGITS_BOUND:
                 raise Counterexample(f"export re-read by transformers differs by {again:.3g}; {case}")
     return "equal"

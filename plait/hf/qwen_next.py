@@ -1,0 +1,137 @@
+"""Qwen3-Next's config.json and weights (`qwen3_next`: Qwen3-Next-80B-A3B) <-> plait's: linear-
+attention blocks (the gated delta rule) among gated full-attention ones, by `layer_types` (else
+every `full_attention_interval`-th block full), zero-centred norms, a per-head q/k norm, RoPE on
+the first quarter of each head (`partial_rotary_factor`), and experts whose shared expert is gated
+(or a dense feed-forward where `num_experts` is 0 or `mlp_only_layers` says).
+
+Some of its tensors hold several of plait's, which keeps them apart (tensor parallelism splits
+each by heads): a linear block's in_proj_qkvz holds q, k, v and the output gate z, and in_proj_ba
+the step b and the gate a, each by key head (a key head's q, k, then its value heads' v and z);
+conv1d holds the convolution of q, k and v one after the other; a full block's q_proj holds each
+head's query and then its output gate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.config import ConfigError
+from plait.hf.fields import Fields
+from plait.models.args import ModelArgs
+
+# Qwen3-Next's switches: its config.json cannot turn them off
+QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": True}
+
+
+def qwen3_next_switches(fields: Fields, n_layers: int) -> dict:
+    """The ModelArgs switches of a qwen3_next config.json (but the rotated share: `rotary_fraction`)."""
+    types = fields.texts("layer_types", n_layers)
+    if types is None:
+        interval = fields.integer("full_attention_interval") if fields.has("full_attention_interval") else 4
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if not set(types) <= {"full_attention", "linear_attention"}:
+        fields.refuse("layer_types", "a list of full_attention and linear_attention")
+    key_heads, value_heads = fields.integer("linear_num_key_heads"), fields.integer("linear_num_value_heads")
+    if value_heads % key_heads:
+        fields.refuse("linear_num_value_heads", f"a multiple of linear_num_key_heads {key_heads}")
+    switches = QWEN3_NEXT | {
+        "linear_layers": tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        "linear_key_heads": key_heads, "linear_value_heads": value_heads,
+        "linear_key_dim": fields.integer("linear_key_head_dim"),
+        "linear_value_dim": fields.integer("linear_value_head_dim"),
+        "linear_conv": fields.integer("linear_conv_kernel_dim"), "qkv_bias": bool(fields.flag("attention_bias")),
+        "out_bias": bool(fields.flag("attention_bias"))}
+    experts = fields.integer("num_experts", minimum=0, required=True)
+    if not experts:
+        return switches
+    step, dense = fields.integer("decoder_sparse_step"), set(fields.integers("mlp_only_layers") or [])
+    hidden = fields.integer("moe_intermediate_size", required=True)
+    shared = fields.integer("shared_expert_intermediate_size", required=True)
+    if shared % hidden:  # (plait's shared experts are moe_intermediate_size wide each)
+        fields.refuse("shared_expert_intermediate_size", f"a multiple of moe_intermediate_size {hidden}")
+    return switches | {"n_experts": experts, "top_k": fields.integer("num_experts_per_tok"), "moe_hidden": hidden,
+                       "normalize_top_k": fields.flag("norm_topk_prob"), "n_shared_experts": shared // hidden,
+                       "shared_expert_gate": True,
+                       "dense_layers": tuple(i for i in range(n_layers) if i in dense or (i + 1) % step)}
+
+
+def qwen3_next_fields(args: ModelArgs) -> dict:
+    """config.json's Qwen3-Next fields for `args`, refused in one line where it is not Qwen3-Next's model."""
+    moe = not args.n_experts or (args.router == "softmax" and args.n_shared_experts and args.shared_expert_gate)
+    if not (args.linear_layers and moe and all(getattr(args, k) == v for k, v in QWEN3_NEXT.items())
+            and args.qkv_bias == args.out_bias and not args.kv_lora_rank
+            and not (args.sliding_window or args.post_norm or args.sandwich_norm or args.attention_sinks
+                     or args.ffn_bias or args.expert_bias or args.router_bias or args.nope_layers)):
+        raise ConfigError("checkpoint: a qwen3_next config.json has linear-attention blocks among gated full-attention "
+                          "ones, zero-centred norms, per-head q/k norms, experts (if any) with a gated shared expert, "
+                          "and no windows, sinks or MLP biases; this model differs")
+    fields = {"layer_types": ["linear_attention" if args.linear(i) else "full_attention" for i in range(args.n_layers)],
+              "linear_num_key_heads": args.linear_key_heads, "linear_num_value_heads": args.linear_value_heads,
+              "linear_key_head_dim": args.linear_key_dim, "linear_value_head_dim": args.linear_value_dim,
+              "linear_conv_kernel_dim": args.linear_conv, "attention_bias": args.qkv_bias,
+              "partial_rotary_factor": args.rope_dim / args.head_dim, "num_experts": args.n_experts}
+    if args.n_experts:
+        fields |= {"num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden,
+                   "shared_expert_intermediate_size": args.moe_hidden * args.n_shared_experts,
+                   "norm_topk_prob": args.normalize_top_k, "decoder_sparse_step": 1,
+                   "mlp_only_layers": list(args.dense_layers)}
+    return fields
+
+
+def fused_tensors(args: ModelArgs, block: int) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], int]]:
+    """Block `block`'s tensors on disk that hold several of plait's: their name in the block ->
+    (plait's names in the block, in order; the rows each has per group; the groups)."""
+    if args.linear(block):
+        ratio, keys = args.linear_value_heads // args.linear_key_heads, args.linear_key_heads * args.linear_key_dim
+        dk, dv = args.linear_key_dim, args.linear_value_dim
+        qkvz = tuple(f"attention.w{kind}.weight" for kind in "qkvz")
+        return {"linear_attn.in_proj_qkvz.weight": (qkvz, (dk, dk, ratio * dv, ratio * dv), args.linear_key_heads),
+                "linear_attn.in_proj_ba.weight": (("attention.wb.weight", "attention.wa.weight"), (ratio, ratio),
+                                                  args.linear_key_heads),
+                "linear_attn.conv1d.weight": (("attention.conv_q", "attention.conv_k", "attention.conv_v"),
+                                              (keys, keys, args.linear_value_heads * dv), 1)}
+    if args.attention_gate:
+        return {"self_attn.q_proj.weight": (("attention.wq.weight", "attention.wg.weight"),
+                                            (args.head_dim, args.head_dim), args.n_heads)}
+    return {}
+
+
+def fused_part(tensor: torch.Tensor, name: str, parts: tuple[str, ...], rows: tuple[int, ...], groups: int
+               ) -> torch.Tensor:
+    """Plait's tensor `name` (one of `parts`) out of the tensor on disk that holds them all (a
+    convolution's [channels, 1, taps] as plait's [channels, taps])."""
+    piece = tensor.reshape(groups, sum(rows), *tensor.shape[1:]).split(rows, 1)[parts.index(name)]
+    return piece.reshape(groups * rows[parts.index(name)], -1)
+
+
+def fused_whole(tensors: list[torch.Tensor], rows: tuple[int, ...], groups: int, conv: bool) -> torch.Tensor:
+    """The tensor on disk that holds plait's `tensors` (in order: `fused_part`'s inverse)."""
+    whole = torch.cat([t.reshape(groups, n, -1) for t, n in zip(tensors, rows)], 1).reshape(groups * sum(rows), -1)
+    return whole[:, None] if conv else whole
+
+
+# A linear block's tensors and Qwen3-Next's shared expert, on disk (the rest are named as Llama's relatives')
+LINEAR_NAMES = {"attention.A_log": "linear_attn.A_log", "attention.dt_bias": "linear_attn.dt_bias",
+                "attention.out_norm.weight": "linear_attn.norm.weight",
+                "attention.wo.weight": "linear_attn.out_proj.weight"}
+SHARED_EXPERT = {"feed_forward.shared.w1": "mlp.shared_expert.gate_proj", "feed_forward.shared.w3":
+                 "mlp.shared_expert.up_proj", "feed_forward.shared.w2": "mlp.shared_expert.down_proj",
+                 "feed_forward.shared_gate": "mlp.shared_expert_gate"}
+
+
+def holder(args: ModelArgs, block: int, rest: str) -> tuple[str, tuple[str, ...], tuple[int, ...], int] | None:
+    """The tensor on disk that holds plait's `rest` of block `block` with others: (its name in the
+    block, plait's names it holds, their rows per group, the groups); None where `rest` is one of its own."""
+    return next(((held, *fused) for held, fused in fused_tensors(args, block).items() if rest in fused[0]), None)
+
+
+def qwen3_next_name(args: ModelArgs, block: int, rest: str) -> str | None:
+    """The name in the block on disk of plait's `rest` of block `block`, where Qwen3-Next names it
+    its own way (None: as Llama's relatives do)."""
+    held = holder(args, block, rest)
+    if held is not None:
+        return held[0]
+    if args.linear(block) and rest in LINEAR_NAMES:
+        return LINEAR_NAMES[rest]
+    module, kind = rest.rsplit(".", 1)
+    return f"{SHARED_EXPERT[module]}.{kind}" if module in SHARED_EXPERT else None

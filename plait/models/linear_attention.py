@@ -1,0 +1,195 @@
+"""Linear attention by the gated delta rule (Gated DeltaNet: Qwen3-Next's and Qwen3.5's token
+mixer in three of every four blocks), in plain PyTorch.
+
+Each head keeps a state S (key dim x value dim) in place of a cache of keys and values. At each
+position t it decays, is corrected toward the new value, and is read by the query:
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,    o_t = S_t^T q_t
+
+with a_t = exp(g_t) in (0, 1] (the gate) and b_t in (0, 1) (the step). The chunked form computes
+the positions of a chunk at once (the state's corrections inside a chunk are a triangular system,
+solved in one call) and carries the state from chunk to chunk: O(seq x chunk) work, not seq^2.
+
+Under the document mask each document starts from a zero state and a zero convolution window,
+as it would alone: every term that would cross a document boundary is masked to zero (in exact
+arithmetic, never by a decay that underflows), so a packed sequence computes what its documents
+compute alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.models.args import ModelArgs
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor | None = None,
+                history: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU of the causal depthwise convolution of x [batch, seq, channels] by weight [channels,
+    taps]: out_t = sum_s weight[:, taps - 1 - s] x_{t-s}, in fp32 (each of the taps' sums rounded
+    once). `documents` [batch, seq]: a tap that would reach into an earlier document reads zero.
+    `history` [batch, taps - 1, channels]: the inputs before the first position (generation's
+    cache; default zeros)."""
+    taps, seq = weight.shape[1], x.shape[1]
+    if history is not None:
+        x = torch.cat([history.to(x.dtype), x], 1)
+    x32, w = x.float(), weight.float()
+    out = x32[:, -seq:] * w[:, -1]
+    for s in range(1, taps):
+        earlier = F.pad(x32, (0, 0, s, 0))[:, x32.shape[1] - seq: x32.shape[1]]  # x_{t-s}
+        if documents is not None:  # (the padding before the sequence reads document -1: none)
+            same = documents == F.pad(documents, (s, 0), value=-1)[:, :seq]
+            earlier = earlier * same[..., None]
+        out = out + earlier * w[:, -1 - s]
+    return F.silu(out).to(x.dtype)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     documents: torch.Tensor | None = None, state: torch.Tensor | None = None,
+                     chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over q, k [batch, seq, heads, key dim] (normalised and scaled), v
+    [batch, seq, heads, value dim], g (log of the gate, <= 0) and beta [batch, seq, heads], in
+    fp32, chunk by chunk. `documents` [batch, seq]: each document from a zero state (default:
+    one document); `state` [batch, heads, key dim, value dim]: the state before the first
+    position, which continues the first position's document. Returns the output [batch, seq,
+    heads, value dim] and the state after the last position."""
+    batch, seq, heads, dk = k.shape
+    chunk = min(chunk, seq)
+    pad = -seq % chunk
+    if documents is None:
+        documents = torch.zeros(batch, seq, dtype=torch.long, device=q.device)
+    # (padding after the last position: k = v = 0 and g = 0 leave the state as it is)
+    q, k, v, g, beta = (F.pad(t.float().transpose(1, 2), (0, 0, 0, pad) if t.ndim == 4 else (0, pad))
+                        for t in (q, k, v, g, beta))
+    documents = torch.cat([documents, documents[:, -1:].expand(batch, pad)], 1)
+    n = (seq + pad) // chunk
+    q, k, v = (t.reshape(batch, heads, n, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(batch, heads, n, chunk), beta.reshape(batch, heads, n, chunk)
+    docs = documents.reshape(batch, 1, n, chunk)
+    # The state before each chunk belongs to the document of the position before it.
+    before = torch.cat([docs[:, :, :1, :1], docs[:, :, :-1, -1:]], 2)  # [batch, 1, n, 1]
+
+    decay = g.cumsum(-1)  # log of the gates' product from the chunk's start to each position
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    within = causal & (docs[..., :, None] == docs[..., None, :])  # j <= i, one document
+    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(~within, float("-inf")).exp()
+    carried = torch.where(docs == before, decay.exp(), 0.0)  # the incoming state's decay at each position
+    # The corrections u_i = b_i (v_i - k_i^T S before i) solve (I + L) U = b V - b carried K S_0,
+    # L strictly lower: L_ij = b_i (k_i . k_j) pairwise_ij.
+    kb = k * beta[..., None]
+    lower = (kb @ k.transpose(-1, -2) * pairwise).tril(-1)
+    system = lower + torch.eye(chunk, device=q.device)
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    keys = torch.linalg.solve_triangular(system, kb * carried[..., None], upper=False, unitriangular=True)
+    scores = q @ k.transpose(-1, -2) * pairwise
+    last = docs[..., -1:]  # the document the state leaves each chunk in
+    to_end = torch.where(docs == last, (decay[..., -1:] - decay).exp(), 0.0)  # each position's decay to the end
+    through = torch.where(last == before, decay[..., -1:].exp(), 0.0)[..., None]  # S_0's
+    state = q.new_zeros(batch, heads, dk, v.shape[-1]) if state is None else state.float()
+    outputs = []
+    for i in range(n):
+        u = values[:, :, i] - keys[:, :, i] @ state
+        outputs.append((q[:, :, i] * carried[:, :, i, :, None]) @ state + scores[:, :, i] @ u)
+        state = state * through[:, :, i] + (k[:, :, i] * to_end[:, :, i, :, None]).transpose(-1, -2) @ u
+    out = torch.stack(outputs, 2).reshape(batch, heads, n * chunk, -1)[:, :, :seq]
+    return out.transpose(1, 2), state
+
+
+def l2_normalized(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum x^2 + 1e-6) over the last dimension, in fp32 (flash-linear-attention's form)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, times SiLU of its gate: weight x x / rms(x) x silu(z), as
+    transformers' Qwen3-Next rounds it (the norm in fp32, back to the input dtype before the gain).
+    One weight shared by every head (tensor parallelism's `gain` reads it whole on each rank)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def gain(self) -> torch.Tensor:
+        return self.weight
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (self.gain() * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The token mixer of a linear block: q, k, v (each through the causal convolution and SiLU),
+    the output gate z, the step b and the gate a from the block's input; q and k L2-normalised;
+    the gated delta rule; each head's output normed and gated by z; the output projection.
+
+    Separate projections (transformers' Qwen3-Next fuses q/k/v/z and b/a, interleaved by key
+    head): tensor parallelism splits each by heads column-wise, and the convolution's weights,
+    A_log and dt_bias with them (their `local` is the rank's share)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.key_heads, self.value_heads = args.linear_key_heads, args.linear_value_heads
+        self.key_dim, self.value_dim = args.linear_key_dim, args.linear_value_dim
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.wq = nn.Linear(args.dim, keys, bias=False)
+        self.wk = nn.Linear(args.dim, keys, bias=False)
+        self.wv = nn.Linear(args.dim, values, bias=False)
+        self.wz = nn.Linear(args.dim, values, bias=False)
+        self.wb = nn.Linear(args.dim, self.value_heads, bias=False)
+        self.wa = nn.Linear(args.dim, self.value_heads, bias=False)
+        self.conv_q = nn.Parameter(torch.empty(keys, args.linear_conv))
+        self.conv_k = nn.Parameter(torch.empty(keys, args.linear_conv))
+        self.conv_v = nn.Parameter(torch.empty(values, args.linear_conv))
+        self.A_log = nn.Parameter(torch.empty(self.value_heads))  # the gate's rate per head: g = -e^A_log x dt
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.out_norm = GatedRMSNorm(self.value_dim, args.norm_eps)
+        self.wo = nn.Linear(values, args.dim, bias=False)
+        self.chunk = args.linear_chunk
+
+    def local(self, name: str) -> torch.Tensor:
+        """The parameter `name` as this rank computes with it (tensor parallelism hands its share)."""
+        return getattr(self, name)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
+        """`rope`: unused (the blocks share one signature); `mask`: None (one sequence), the
+        document id of each position [batch, seq], or a dict that holds them ("documents");
+        `cache` (generation): the state and the convolutions' windows, per layer (plait/models/
+        attention.py's KVCache)."""
+        batch, seq, _ = x.shape
+        documents = mask.get("documents") if isinstance(mask, dict) else mask  # (FlexAttention's: BlockMasks too)
+        held = cache.layers.get(self) if cache is not None else None
+        windows = held[0] if held is not None else (None, None, None)
+        qkv = [self.wq(x), self.wk(x), self.wv(x)]
+        convolved = [causal_conv(t, self.local(f"conv_{name}"), documents, window)
+                     for t, name, window in zip(qkv, "qkv", windows)]
+        # (-1 for the head counts: under tensor parallelism each rank holds a slice of heads)
+        q, k = (l2_normalized(t.view(batch, seq, -1, self.key_dim)) for t in convolved[:2])
+        v = convolved[2].view(batch, seq, -1, self.value_dim)
+        heads = v.shape[2]
+        if heads != q.shape[2]:  # each key head serves heads / key heads consecutive value heads
+            q, k = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (q, k))
+        beta = torch.sigmoid(self.wb(x))
+        g = -self.local("A_log").float().exp() * F.softplus(self.wa(x).float() + self.local("dt_bias"))
+        out, state = gated_delta_rule(q * self.key_dim ** -0.5, k, v, g, beta, documents,
+                                      held[1] if held is not None else None, self.chunk)
+        if cache is not None:
+            taps = self.conv_q.shape[1]
+            # (each convolution's last taps - 1 inputs: the window the next position reads)
+            kept = [(torch.cat([w, t], 1) if w is not None else F.pad(t, (0, 0, taps - 1, 0)))[:, -(taps - 1):]
+                    for w, t in zip(windows, qkv)]
+            cache.layers[self] = (kept, state)
+        z = self.wz(x).view(batch, seq, -1, self.value_dim)
+        out = self.out_norm(out.to(x.dtype), z)
+        return self.wo(out.reshape(batch, seq, -1))
+
+
+def conv_init_std(args: ModelArgs) -> float:
+    """The convolution's init: the std of PyTorch's default for a Conv1d of linear_conv taps per
+    channel (uniform within +-1/sqrt(taps))."""
+    return 1 / math.sqrt(3 * args.linear_conv)
