@@ -122,7 +122,7 @@ def rank_shapes(args: ModelArgs, tp: int) -> dict[str, tuple[nn.Linear, int, int
         if isinstance(module, nn.Linear):
             rows, cols = module.out_features, module.in_features
             in_block = name.startswith("layers.") or ".block." in name  # (multi-token prediction's block too)
-            if tp > 1 and in_block and ".shared." not in name:  # (shared experts: whole, as experts)
+            if tp > 1 and in_block and ".shared" not in name:  # (shared experts and their gate: whole, as experts)
                 rows, cols = (rows, cols // tp) if name.endswith(("wo", "w2")) else (rows // tp, cols)
             shapes[name] = module, rows, cols
     return shapes

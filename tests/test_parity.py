@@ -165,14 +165,17 @@ MUON_BOUNDS = {**{(name, "fp32"): BITWISE for name in ("fsdp2_muon", "ddp_muon",
                                                        "simple_fsdp_muon", "pp_muon")},
                **{(name, "fp32"): FP32_REORDERED for name in ("fsdp2_w4_muon", "hsdp_muon")},
                **{(name, "fp32"): MOE_REORDERED for name in ("tp_muon", "fsdp2_tp_muon")},
-               ("fsdp2_muon", "bf16"): BITWISE, ("tp_muon", "bf16"): BF16_REORDERED,
-               ("fsdp2_tp_muon", "bf16"): BF16_REORDERED}
+               ("fsdp2_muon", "bf16"): BITWISE, ("tp_muon", "bf16"): BF16_REORDERED}  # (FSDP2+TP bf16: fsdp2_tp's)
 # Every layout without a pipeline or cp (the tied model's rows are fp32: what tying changes is
 # which parameter each wrapper holds, not the arithmetic bf16 rows check).
 SPMD = [name for name in LAYOUTS
         if not name.startswith(("pp", "single")) and not name.endswith("tied") and "moe" not in name
         and "muon" not in name and "gpt_oss" not in name and "mla" not in name and "llama4" not in name
         and not name.endswith("_mx") and name not in (*CONTEXT, *FLOAT8, *FAMILY_ROWS)]
+# bf16 rows: every such layout's but SimpleFSDP's with TP at world 4, whose bf16 mechanism (TP's split
+# sums) fsdp2_tp and ddp_tp hold (their fp32 rows stay): a world-4 bf16 run costs an AVX2 CPU, which
+# emulates bf16, the most of any row.
+SPMD_BF16 = [name for name in SPMD if name not in ("simple_ddp_tp", "simple_fsdp_tp")]
 WORLD2_DP = ("ddp", "fsdp2", "classic_ddp", "simple_fsdp", "simple_ddp")
 # A pipeline without data parallelism computes each micro-batch as the single device does and
 # accumulates the weight gradients in the same ascending order (all scaling inside the loss):
@@ -219,14 +222,14 @@ MXFP8_BOUNDS = {("fsdp2_mx", "fp32"): BITWISE, ("fsdp2_mx", "bf16"): BITWISE, ("
                 ("tp_mx", "fp32"): BF16_REORDERED, ("tp_mx", "bf16"): MXFP8_BF16,
                 ("fsdp2_tp_mx", "fp32"): BF16_REORDERED,
                 ("ep2_moe_mx", "fp32"): BF16_REORDERED, ("ep2_fsdp2_moe_mx", "fp32"): BF16_REORDERED,
-                ("ep2_moe_mx", "bf16"): MXFP8_BF16, ("ep2_fsdp2_moe_mx", "bf16"): MXFP8_BF16}
+                ("ep2_moe_mx", "bf16"): MXFP8_BF16}  # (EP2+FSDP2 bf16 measured 4.4e-4: EP2's mechanism, no row)
 TOLERANCE = {  # (layout, precision): tolerance against the single device
     **{(name, "fp32"): BITWISE for name in WORLD2_DP},
     **{(name, "bf16"): BITWISE for name in WORLD2_DP},
     ("tp", "fp32"): FP32_REORDERED, ("tp", "bf16"): BF16_REORDERED,
     **{(name, "fp32"): FP32_REORDERED for name in ("hsdp_w4", "simple_hsdp_w4")},
     **{(name, "fp32"): FP32_REORDERED for name in ("ddp_tp", "fsdp2_tp", "simple_ddp_tp", "simple_fsdp_tp")},
-    **{(name, "bf16"): BF16_REORDERED for name in LAYOUTS if LAYOUTS[name][0] == 4 and name in SPMD},
+    **{(name, "bf16"): BF16_REORDERED for name in LAYOUTS if LAYOUTS[name][0] == 4 and name in SPMD_BF16},
     **{(name, "fp32"): BITWISE for name in PIPELINES},
     **{(name, "fp32"): FP32_REORDERED for name in ("pp_fsdp2", "pp_ddp", "pp_tp", "pp_fsdp2_tp")},
     **{(name, "bf16"): tolerance for name, tolerance in PIPELINES_BF16.items()},
@@ -305,6 +308,6 @@ def test_the_matrix_covers_every_layout_at_world_1_2_4_8(matrix):
     mechanism, cp alone, and the Qwen-shaped rows."""
     rows = {(name, precision) for name, _, precision, *_ in matrix}
     assert rows == {(name, "fp32") for name in LAYOUTS if not name.startswith("single")} | \
-        {(name, "bf16") for name in [*SPMD, *PIPELINES_BF16, *CONTEXT_BF16, *FLOAT8_BF16]} | \
+        {(name, "bf16") for name in [*SPMD_BF16, *PIPELINES_BF16, *CONTEXT_BF16, *FLOAT8_BF16]} | \
         {row for row in {**FAMILIES, **MOE_BOUNDS, **MUON_BOUNDS, **MXFP8_BOUNDS} if row[1] == "bf16"}
     assert {world for _, world, *_ in matrix} | {LAYOUTS["single"][0]} == {1, 2, 4, 8}

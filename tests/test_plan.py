@@ -18,13 +18,16 @@ from plait.arguments import parse_args
 from plait.checks import check_options
 from plait.proof.trace import summarise
 from test_parity import (CONTEXT_BF16, FAMILIES, FLOAT8, FLOAT8_BF16, MOE_BOUNDS, MUON_BOUNDS, MXFP8_BOUNDS,
-                         PIPELINES_BF16, REFERENCE, SPMD, mode)
+                         PIPELINES_BF16, REFERENCE, SPMD_BF16, mode)
 
 pytestmark = pytest.mark.slow
 PRECISIONS = {"fp32": [], "bf16": BF16}
 # Layouts whose runs plan predicts only in part, and why. A layout added to conftest.LAYOUTS
 # without an entry here must be predicted in full, or this module fails.
 PARTLY = {
+    # A linear-attention block's saved activations are counted from its code, not yet tensor by tensor
+    # as the probe sees them: predicted 7% over the measured (4.54 MB for 4.24, debug_hybrid fp32).
+    **{name: {"state", "comm"} for name in LAYOUTS if "hybrid" in name},
     # SimpleFSDP gathers parameter by parameter and reshards by recomputing its blocks, which
     # plan does not model: it plans fully_shard (the default backend), which holds the same state.
     "simple_fsdp": {"state"}, "simple_hsdp_w4": {"state"}, "simple_fsdp_tp": {"state"}, "simple_fsdp_tied": {"state"},
@@ -151,7 +154,7 @@ def add_line(report, label: str, numbers: dict) -> None:
 def test_plan_predicts_every_layout(train_once, report, name, precision):
     family_bf16 = {row for n, p in {**FAMILIES, **MOE_BOUNDS, **MUON_BOUNDS, **MXFP8_BOUNDS} if p == "bf16"
                    for row in (n, REFERENCE[n])}
-    if precision == "bf16" and name not in [*SPMD, *PIPELINES_BF16, *CONTEXT_BF16, *FLOAT8_BF16, *family_bf16,
+    if precision == "bf16" and name not in [*SPMD_BF16, *PIPELINES_BF16, *CONTEXT_BF16, *FLOAT8_BF16, *family_bf16,
                                             "single", "single_f8"]:
         pytest.skip("no bf16 run of this layout in the shared matrix")
     add_line(report, f"{name} {precision}", check(train_once, name, precision))

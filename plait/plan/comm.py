@@ -123,8 +123,9 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # accumulated them over several micro-batches.
         out["forward", "all_reduce", "tp"] += passes * outputs * 3 * tokens * 4
         block_norms = 4 if args.sandwich_norm else 2  # (Gemma 3's norms after the sub-layers too)
-        norms = (block_norms * len(blocks) + last) * args.dim + \
-            2 * len(blocks) * args.head_dim * (args.qk_norm == "head")
+        linear = sum(map(args.linear, block_indices(blocks)))  # (a linear block: its output norm, no q/k norms)
+        norms = (block_norms * len(blocks) + last) * args.dim + linear * args.linear_value_dim + \
+            2 * (len(blocks) - linear) * args.head_dim * (args.qk_norm == "head")
         # (latent attention's latent projections and norms, whole on each rank: partial gradients too)
         norms += sum(math.prod(shape) for name, shape in params.items() if LATENT.search(name))
         # (multi-token prediction's norms and projection, on the sequence shard: partial gradients)

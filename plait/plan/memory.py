@@ -26,10 +26,12 @@ from plait.plan.linear_blocks import linear_mixer_bytes
 from plait.plan.features import (latent_gather, masked, mx_experts, sequence_aux, ulysses_degree, ulysses_kv_heads,
                                  window_tail_keys)
 
-# (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum.)
+# (A per-head q/k norm's weight is replicated; a bias of wo or w2 too: added once after the sum;
+# a linear block's output norm too. Its gates, convolutions, A_log and dt_bias split by heads.)
 COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight", "tok_embeddings.weight",
            "wq.bias", "wk.bias", "wv.bias", "w1.bias", "w3.bias", "q_proj_norm.weight", "k_proj_norm.weight",
-           "core.sinks", "wq_b.weight", "wkv_b.weight")
+           "core.sinks", "wq_b.weight", "wkv_b.weight", "wg.weight", "wz.weight", "wb.weight", "wa.weight",
+           "conv_q", "conv_k", "conv_v", "A_log", "dt_bias")
 ROWWISE = ("wo.weight", "w2.weight")
 WHOLE = ".feed_forward.shared."  # a mixture of experts' shared experts: whole on every TP rank, as its experts
 
