@@ -350,8 +350,9 @@ LAYOUTS = {
     "pp_llama4": (2, [*LLAMA4, *PP2]),
     "cp_llama4": (2, [*LLAMA4, *CP2, "--training.micro_batch_size", "2"]),
     # Qwen3-Next (debug_hybrid: a linear-attention block, the gated delta rule, then a gated full one;
-    # debug_hybrid_moe: with experts and a gated shared expert). No cp: refused for linear blocks.
+    # debug_hybrid_moe: with experts and a gated shared expert)
     "single_hybrid": (1, [*HYBRID, "--training.micro_batch_size", "2"]),
+    "cp2_hybrid": (2, [*HYBRID, *CP2, "--training.micro_batch_size", "2"]),
     "fsdp2_hybrid": (2, [*HYBRID, *degrees(1, 2)]),
     "tp_hybrid": (2, [*HYBRID, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
     "pp_hybrid": (2, [*HYBRID, *PP2]),

@@ -33,16 +33,19 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor |
     taps]: out_t = sum_s weight[:, taps - 1 - s] x_{t-s}, in fp32 (each of the taps' sums rounded
     once). `documents` [batch, seq]: a tap that would reach into an earlier document reads zero.
     `history` [batch, taps - 1, channels]: the inputs before the first position (generation's
-    cache; default zeros)."""
+    cache, a context-parallel chunk's predecessor; default zeros); `documents` then covers its
+    positions too [batch, taps - 1 + seq]."""
     taps, seq = weight.shape[1], x.shape[1]
     if history is not None:
         x = torch.cat([history.to(x.dtype), x], 1)
+    if documents is not None:  # (the positions before the first read document -1: none)
+        documents = F.pad(documents, (x.shape[1] - documents.shape[1], 0), value=-1)
     x32, w = x.float(), weight.float()
     out = x32[:, -seq:] * w[:, -1]
     for s in range(1, taps):
         earlier = F.pad(x32, (0, 0, s, 0))[:, x32.shape[1] - seq: x32.shape[1]]  # x_{t-s}
-        if documents is not None:  # (the padding before the sequence reads document -1: none)
-            same = documents == F.pad(documents, (s, 0), value=-1)[:, :seq]
+        if documents is not None:
+            same = documents[:, -seq:] == F.pad(documents, (s, 0), value=-1)[:, x.shape[1] - seq: x.shape[1]]
             earlier = earlier * same[..., None]
         out = out + earlier * w[:, -1 - s]
     return F.silu(out).to(x.dtype)
@@ -163,20 +166,25 @@ class GatedDeltaNet(nn.Module):
         attention.py's KVCache)."""
         batch, seq, _ = x.shape
         documents = mask.get("documents") if isinstance(mask, dict) else mask  # (FlexAttention's: BlockMasks too)
-        held = cache.layers.get(self) if cache is not None else None
-        windows = held[0] if held is not None else (None, None, None)
-        qkv = [self.wq(x), self.wk(x), self.wv(x)]
-        convolved = [causal_conv(t, self.local(f"conv_{name}"), documents, window)
-                     for t, name, window in zip(qkv, "qkv", windows)]
-        # (-1 for the head counts: under tensor parallelism each rank holds a slice of heads)
-        q, k = (l2_normalized(t.view(batch, seq, -1, self.key_dim)) for t in convolved[:2])
-        v = convolved[2].view(batch, seq, -1, self.value_dim)
-        heads = v.shape[2]
-        if heads != q.shape[2]:  # each key head serves heads / key heads consecutive value heads
-            q, k = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (q, k))
         beta = torch.sigmoid(self.wb(x))
         g = -self.local("A_log").float().exp() * F.softplus(self.wa(x).float() + self.local("dt_bias"))
-        out, state = gated_delta_rule(q * self.key_dim ** -0.5, k, v, g, beta, documents,
+        out = self.mix([self.wq(x), self.wk(x), self.wv(x)], g, beta, documents, cache)
+        z = self.wz(x).view(batch, seq, -1, self.value_dim)
+        out = self.out_norm(out.to(x.dtype), z)
+        return self.wo(out.reshape(batch, seq, -1))
+
+
+    def mix(self, qkv: list[torch.Tensor], g: torch.Tensor, beta: torch.Tensor, documents: torch.Tensor | None,
+            cache=None) -> torch.Tensor:
+        """The token mixing of the positions this call holds: the convolutions of q, k and v's
+        projections, their heads, the rule. (Context parallelism replaces it with one that takes
+        each chunk's convolution window and state from the ranks before it: plait/parallel/
+        context_parallel.py.)"""
+        held = cache.layers.get(self) if cache is not None else None
+        windows = held[0] if held is not None else (None, None, None)
+        convolved = [causal_conv(t, self.local(f"conv_{name}"), documents, window)
+                     for t, name, window in zip(qkv, "qkv", windows)]
+        out, state = gated_delta_rule(*self.heads(*convolved), g, beta, documents,
                                       held[1] if held is not None else None, self.chunk)
         if cache is not None:
             taps = self.conv_q.shape[1]
@@ -184,9 +192,18 @@ class GatedDeltaNet(nn.Module):
             kept = [(torch.cat([w, t], 1) if w is not None else F.pad(t, (0, 0, taps - 1, 0)))[:, -(taps - 1):]
                     for w, t in zip(windows, qkv)]
             cache.layers[self] = (kept, state)
-        z = self.wz(x).view(batch, seq, -1, self.value_dim)
-        out = self.out_norm(out.to(x.dtype), z)
-        return self.wo(out.reshape(batch, seq, -1))
+        return out
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The convolutions' outputs [batch, seq, width] as heads: q and k L2-normalised (q scaled
+        by 1/sqrt(key dim)) and repeated to the value heads they serve."""
+        batch, seq, _ = q.shape
+        # (-1 for the head counts: under tensor parallelism each rank holds a slice of heads)
+        q, k = (l2_normalized(t.view(batch, seq, -1, self.key_dim)) for t in (q, k))
+        v = v.view(batch, seq, -1, self.value_dim)
+        if v.shape[2] != q.shape[2]:  # each key head serves heads / key heads consecutive value heads
+            q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
+        return q * self.key_dim ** -0.5, k, v
 
 
 def conv_init_std(args: ModelArgs) -> float:

@@ -47,8 +47,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.config import ConfigError, JobConfig
 from plait.models.args import ModelArgs
+from plait.models.linear_attention import GatedDeltaNet
 from plait.models.masking import block_mask, document_ids, positions_in_documents
 from plait.models.moe import moe_layers
+from plait.parallel.linear_context import apply_linear_cp
 
 
 def check_context_parallel(cfg: JobConfig) -> None:
@@ -81,10 +83,6 @@ def check_heads(args: ModelArgs, cfg: JobConfig) -> None:
     before any process group."""
     p = cfg.parallelism
     heads = args.n_heads // p.tp
-    if p.cp > 1 and args.linear_layers:
-        raise ConfigError(f"parallelism.cp: {p.cp} would split the sequences of linear-attention blocks "
-                          f"{list(args.linear_layers)}, whose state plait does not yet pass between cp ranks; "
-                          "allowed: 1 (dp, tp, pp and ep split this model)")
     if p.cp > 1 and p.cp_kind == "ulysses" and heads % p.cp:
         raise ConfigError(f"parallelism.cp: {p.cp} does not divide the {heads} query heads each tp rank holds "
                           f"(parallelism.cp_kind ulysses splits them over cp); allowed: a divisor of {heads}, or "
@@ -205,8 +203,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
     `ulysses_degree` neighbouring cp ranks, then the all-gather of those heads' keys and values
     over the groups. Under allgather latent attention (`latent`) gathers its key latents and RoPE
     keys instead (a forward hook on `attention.key_latents`): its kernel gets whole keys already.
-    Every mixture of experts gets the sum over the cp ranks of its routing's counts. The model
-    itself is untouched."""
+    Every mixture of experts gets the sum over the cp ranks of its routing's counts; every linear-
+    attention block its chunks' incoming states and windows (plait/parallel/linear_context.py). The
+    model itself is untouched."""
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
     n, heads_group = (cp, group) if kind == "ulysses" else (ulysses_degree, None)  # heads split over n ranks
     if kind == "hybrid":  # cp rank = group index x ulysses_degree + rank in its Ulysses group
@@ -280,6 +279,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
 
     pre_hook = {"allgather": whole_sequence, "ulysses": head_shards, "hybrid": head_shards_then_keys}[kind]
     for block in model.blocks():
+        if isinstance(block.attention, GatedDeltaNet):
+            apply_linear_cp(block.attention, group, rank, cp)
+            continue
         if kind == "allgather" and latent and hasattr(block.attention, "key_latents"):
             block.attention.key_latents.register_forward_hook(whole_latents)
             block.attention.core.register_forward_pre_hook(keys_already_whole)

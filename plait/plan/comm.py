@@ -78,8 +78,9 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # each buffer whole.
         kv = ulysses_kv_heads(args.n_kv_heads // p.tp, n)
         one = passes * tokens * (args.n_heads // p.tp + kv) * (args.head_dim + args.v_head_dim) * e
-        out["forward", "all_to_all", "cp"] += len(blocks) * one
-        out["backward", "all_to_all", "cp"] += (len(blocks) + recomputed) * one
+        attending = [b for b in block_indices(blocks) if not args.linear(b)]
+        out["forward", "all_to_all", "cp"] += len(attending) * one
+        out["backward", "all_to_all", "cp"] += (len(attending) + len(checkpointed & set(attending))) * one
     if 1 < p.cp != n:
         # Per micro-batch every block all-gathers its keys and values over cp / n ranks in forward
         # (the gather's output: the whole sequence's, in the compute dtype; under hybrid the
@@ -91,12 +92,26 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         latent = args.kv_lora_rank and latent_gather(cfg)
         if latent:
             per_key = passes * (args.kv_lora_rank + args.qk_rope_head_dim) * e
-        for block in block_indices(blocks):
+        for block in block_indices(blocks) - set(args.linear_layers):
             tails = 0 if latent else window_tail_keys(args, cfg, block, tokens)
             keys = p.cp * tails or tokens * p.cp  # every rank's tails, or all
             out["forward", "all_gather", "cp"] += keys * per_key
             out["backward", "all_gather", "cp"] += (block in checkpointed) * keys * per_key
             out["backward", "reduce_scatter", "cp"] += keys * per_key
+    if p.cp > 1:
+        # A linear block (plait/parallel/linear_context.py) all-gathers, per micro-batch, every
+        # chunk's last taps - 1 inputs of q, k and v (compute dtype) and its two states a value head
+        # (fp32: key dim x (key dim + value dim)); their gradients reduce-scattered in backward.
+        sequences = tokens * p.cp // cfg.training.seq_len
+        keys, values = (args.linear_key_heads * args.linear_key_dim // p.tp,
+                        args.linear_value_heads * args.linear_value_dim // p.tp)
+        windows = sequences * 2 * p.cp * (args.linear_conv - 1) * (2 * keys + values) * e
+        states = sequences * 2 * p.cp * args.linear_value_heads // p.tp * args.linear_key_dim * \
+            (args.linear_key_dim + args.linear_value_dim) * 4
+        for block in block_indices(blocks) & set(args.linear_layers):
+            out["forward", "all_gather", "cp"] += passes * (windows + states)
+            out["backward", "all_gather", "cp"] += passes * (block in checkpointed) * (windows + states)
+            out["backward", "reduce_scatter", "cp"] += passes * (windows + states)
     if p.tp > 1:
         # Sequence parallelism, per micro-batch: each block gathers its input twice (attention,
         # FFN) and reduce-scatters twice (wo, w2) in forward, the reverse in backward; the
