@@ -75,7 +75,7 @@ OLMO3_REORDERED = 2e-6
 # pipeline are bitwise (measured, bf16 FSDP2 too, by hand); TP splits its heads and the
 # convolution's channels with them, whose only new sum is the output norm's weight gradient over
 # the heads: 0 over the rows' 6 steps, 9.5e-7 over 30 at 3e-3 (by hand), bound FP32_REORDERED; bf16
-# 1.8e-4. EP2 as for the other experts: 0 (fp32), 1.4e-4 (bf16, by hand). CP2 passes each chunk's
+# 1.8e-4 and 3.5e-4 (two runs). EP2 as for the other experts: 0 (fp32), 1.4e-4 (bf16, by hand). CP2 passes each chunk's
 # state and convolution window from the chunks before it (plait/parallel/linear_context.py), a chunk's
 # output then its zero-state output plus its read of the incoming state: other sums, measured 4.8e-7
 # (over 20 steps at 3e-3, by hand: 9.5e-7 CP2, 4.8e-7 CP4, CP2 causal and Ulysses CP2).

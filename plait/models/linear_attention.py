@@ -137,20 +137,20 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.key_heads, self.value_heads = args.linear_key_heads, args.linear_value_heads
+        heads = args.linear_value_heads
         self.key_dim, self.value_dim = args.linear_key_dim, args.linear_value_dim
-        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        keys, values = args.linear_key_heads * self.key_dim, heads * self.value_dim
         self.wq = nn.Linear(args.dim, keys, bias=False)
         self.wk = nn.Linear(args.dim, keys, bias=False)
         self.wv = nn.Linear(args.dim, values, bias=False)
         self.wz = nn.Linear(args.dim, values, bias=False)
-        self.wb = nn.Linear(args.dim, self.value_heads, bias=False)
-        self.wa = nn.Linear(args.dim, self.value_heads, bias=False)
+        self.wb = nn.Linear(args.dim, heads, bias=False)
+        self.wa = nn.Linear(args.dim, heads, bias=False)
         self.conv_q = nn.Parameter(torch.empty(keys, args.linear_conv))
         self.conv_k = nn.Parameter(torch.empty(keys, args.linear_conv))
         self.conv_v = nn.Parameter(torch.empty(values, args.linear_conv))
-        self.A_log = nn.Parameter(torch.empty(self.value_heads))  # the gate's rate per head: g = -e^A_log x dt
-        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.empty(heads))  # the gate's rate per head: g = -e^A_log x dt
+        self.dt_bias = nn.Parameter(torch.ones(heads))
         self.out_norm = GatedRMSNorm(self.value_dim, args.norm_eps)
         self.wo = nn.Linear(values, args.dim, bias=False)
         self.chunk = args.linear_chunk

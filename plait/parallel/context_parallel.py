@@ -50,7 +50,7 @@ from plait.models.args import ModelArgs
 from plait.models.linear_attention import GatedDeltaNet
 from plait.models.masking import block_mask, document_ids, positions_in_documents
 from plait.models.moe import moe_layers
-from plait.parallel.linear_context import apply_linear_cp
+from plait.parallel.linear_context import apply_linear_cp, owner_index
 
 
 def check_context_parallel(cfg: JobConfig) -> None:
@@ -224,8 +224,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
         segments = []
         for i, c in enumerate((rank, 2 * cp - 1 - rank)):
             if c > 0:  # chunk c - 1's tail, from the rank holding it (first or second of its chunks)
-                owner, second = (c - 1, 0) if c - 1 < cp else (2 * cp - c, 1)
-                segments.append(every[:, :, (2 * owner + second) * tail:(2 * owner + second + 1) * tail])
+                at = owner_index(c - 1, cp)
+                segments.append(every[:, :, at * tail:(at + 1) * tail])
             segments.append(x[:, :, i * chunk:(i + 1) * chunk])
         return torch.cat(segments, dim=2)
 
