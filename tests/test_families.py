@@ -101,7 +101,22 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
         head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # Qwen3.5 (dense): q, k and v in one tensor, z, b and a apart; linear blocks 0 and 2 (2 key heads of
+    # 16 to 6 value heads of 8), full ones 1 and 3; its multimodal RoPE (16 of 64 entries rotated in
+    # three sections), which rotates a text's positions as plain RoPE does
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(
+        head_dim=64, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=6, layer_types=["linear_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                         "mrope_section": [3, 3, 2], "mrope_interleaved": True})),
+    # Qwen3.5-MoE: experts in every block (4, each token to 2, top k renormalised) with a gated shared
+    # expert two experts wide; blocks 0-2 linear
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(
+        head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=96)),
 }
+ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (their norms' gains are 1 + w)
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
 
@@ -110,13 +125,15 @@ def make_hf_model(family: str):
     away from 0 and 1: a bias or norm weight mapped to the wrong place must show."""
     torch.manual_seed(0)
     name, fields = CONFIGS[family]
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(BASE | fields))).eval()
+    # (Qwen3.5-MoE's config class has no intermediate_size: every block sparse)
+    sizes = {k: v for k, v in BASE.items() if not (k == "intermediate_size" and family == "qwen3_5_moe_text")}
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(sizes | fields))).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.5)
-            elif "norm" in n:  # (Gemma's and Qwen3-Next's norms' gains are 1 + weight)
-                p.uniform_(0.5, 1.5).sub_(1 if family in ("gemma3_text", "qwen3_next") else 0)
+            elif "norm" in n:
+                p.uniform_(0.5, 1.5).sub_(1 if family in ZERO_CENTRED else 0)
             elif n.endswith("dt_bias"):  # (Qwen3-Next's linear attention: each head's own, away from 1)
                 p.normal_(0, 1)
         for n, b in model.named_buffers():  # (DeepSeek-V3's router balancing biases steer the choice)
@@ -209,6 +226,7 @@ def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, f
     from safetensors.torch import load_file
 
     from plait.hf.config import hf_config
+    from plait.hf.qwen_next import MROPE
     from plait.hf.weights import write_weights
 
     source = folders(family)
@@ -224,8 +242,14 @@ def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, f
     saved = transformers.AutoConfig.from_pretrained(source).to_dict()
     # (transformers' DeepSeek-V3 says 1 MTP module by default and saves none: plait writes the 0 it holds)
     ignored = ("transformers_version", "_name_or_path", "num_nextn_predict_layers")
+    # (nor a text model's multimodal RoPE sections, which rotate a text as plain RoPE does: kept from a source)
+    saved["rope_parameters"] = {k: v for k, v in saved["rope_parameters"].items() if k not in MROPE}
     differ = {k for k in saved if k not in ignored and saved[k] != theirs.get(k)}
     assert config["model_type"] == family and not differ, {k: (saved[k], theirs.get(k)) for k in differ}
+    source_config = json.loads((source / "config.json").read_text())
+    if set(MROPE) <= source_config["rope_parameters"].keys():
+        kept = hf_config(model.args, torch.float32, None, 0, source_config)["rope_scaling"]
+        assert {k: kept[k] for k in MROPE} == {k: source_config["rope_parameters"][k] for k in MROPE}
 
 
 def test_a_trained_and_exported_folder_keeps_its_family_config_and_tokenizer_files(folders, tmp_path):
@@ -438,7 +462,8 @@ EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mix
                 "gpt_oss": dict(num_local_experts=4), "deepseek_v3": dict(n_routed_experts=16, moe_intermediate_size=48),
                 "glm4_moe": dict(n_routed_experts=16, moe_intermediate_size=48),
                 "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96),
-                "qwen3_next": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48)}
+                "qwen3_next": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48),
+                "qwen3_5_moe_text": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48)}
 
 
 @pytest.mark.parametrize("family", ["llama", *CONFIGS])
@@ -449,6 +474,8 @@ def test_a_config_json_of_sizes_alone_is_the_model_transformers_fills_in(tmp_pat
     from plait.hf.config import describe_difference
 
     sizes = SIZES | EXPERT_SIZES.get(family, {})
+    if family == "qwen3_5_moe_text":  # (every block sparse: its config class has no intermediate_size)
+        sizes.pop("intermediate_size")
     full = json.loads(transformers.AutoConfig.for_model(family, **sizes).to_json_string(use_diff=False))
     args = {}
     for name, config in (("alone", {"model_type": family, **sizes}), ("full", full)):
@@ -526,7 +553,7 @@ def test_plan_predicts_each_family_flavor(capsys):
     from plait.cli import main
 
     for flavor in ("qwen3_0_6b", "qwen2_5_0_5b", "mistral_7b", "olmo2_1b", "olmo3_32b", "smollm3_3b",
-                   "deepseek_v3_16b"):
+                   "deepseek_v3_16b", "qwen3_5_35b_a3b"):
         assert main(["plan", "--world", "8", "--device_memory_gib", "80", "--model.flavor", flavor,
                      "--training.seq_len", "4096", "--training.global_batch_size", "32",
                      "--training.micro_batch_size", "4"]) == 0

@@ -215,6 +215,10 @@ def test_bad_folders_are_one_line_each(folders, tmp_path):
                            ": partial_rotary_factor 0.5: llama's model rotates every pair")]:
         with pytest.raises(ConfigError, match="config.json" + ("" if named.startswith(":") else " ") + re.escape(named)):
             hf.model_args(variant("_".join(map(str, fields.values())), **fields), "checkpoint.load")
+    # A vision-language folder: how to save its language model alone
+    with pytest.raises(ConfigError, match=re.escape("(Qwen3.5's multimodal folder: save its language model with "
+                                                    "transformers' Qwen3_5ForCausalLM, a qwen3_5_text folder)") + "$"):
+        hf.model_args(variant("vision_language", model_type="qwen3_5"), "checkpoint.load")
     missing = variant("missing", sharded=True)
     shard = sorted(missing.glob("model-*.safetensors"))[-1]
     shard.unlink()

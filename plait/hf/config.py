@@ -25,7 +25,7 @@ from plait.hf.fields import Fields, family_fields
 from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
 from plait.hf.llama4 import llama4_fields, llama4_switches
-from plait.hf.qwen_next import qwen3_next_fields, qwen3_next_switches
+from plait.hf.qwen_next import QWEN_HYBRIDS, kept_multimodal_rope, qwen_hybrid_fields, qwen_hybrid_switches
 from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings, rotary_fraction
 from plait.models.args import ModelArgs
 
@@ -44,7 +44,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-            "qwen3_next": "Qwen3NextForCausalLM"}
+            "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
 ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
@@ -52,7 +53,12 @@ UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_soft
                "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
                "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter", "use_bidirectional_attention": "bidirectional attention"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_text", "qwen3_next")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_text", "qwen3_next",
+                "qwen3_5_moe_text")
+# Multimodal model types whose language model plait reads once saved on its own: the one to save it as
+MULTIMODAL = {"gemma3": ("Gemma 3", "Gemma3ForCausalLM", "gemma3_text"),
+              "qwen3_5": ("Qwen3.5", "Qwen3_5ForCausalLM", "qwen3_5_text"),
+              "qwen3_5_moe": ("Qwen3.5-MoE", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}
 
 
 def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
@@ -88,8 +94,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
         switches |= glm_switches(fields)
     if family == "gemma3_text":
         switches |= gemma_switches(fields)
-    if family == "qwen3_next":
-        switches |= qwen3_next_switches(fields, n_layers)
+    if family in QWEN_HYBRIDS:
+        switches |= qwen_hybrid_switches(fields, family, n_layers)
     if family == "llama4_text":
         switches |= llama4_switches(fields, n_layers, nope_layers(fields, n_layers))
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
@@ -156,8 +162,9 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     model_type = config.get("model_type")
     family = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else None
     if family not in FAMILIES:
-        hint = " (Gemma 3's multimodal folder: save its language model with transformers' Gemma3ForCausalLM, " \
-            "a gemma3_text folder)" if model_type == "gemma3" else ""
+        name, causal_lm, text = MULTIMODAL.get(model_type, (None,) * 3)
+        hint = f" ({name}'s multimodal folder: save its language model with transformers' {causal_lm}, a {text} " \
+            "folder)" if name else ""
         raise ConfigError(f"{where} holds a model_type {model_type!r} model; plait reads {', '.join(FAMILIES)}{hint}")
     # (left out, each is unset in every family: the defaults table has those that are not expert counts)
     for field, what in UNSUPPORTED.items():
@@ -189,7 +196,8 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                           f"rotate {rotary} of a head's {head_dim} entries; allowed: a share giving pairs")
     shape = dict(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=fields.integer("num_key_value_heads") or heads,
                  vocab_size=fields.integer("vocab_size", required=True),
-                 ffn_hidden=fields.integer("intermediate_size", required=True),
+                 # (Qwen3.5-MoE has none: every block sparse, the switches give its experts' size)
+                 ffn_hidden=fields.integer("intermediate_size", required=True) if family != "qwen3_5_moe_text" else 0,
                  head_dim=head_dim, rotary_dim=rotary % head_dim, norm_eps=fields.number("rms_norm_eps"),
                  rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer("max_position_embeddings"),
                  tie_embeddings=fields.flag("tie_word_embeddings"), family=family, **local_rope)
@@ -217,7 +225,9 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     computed = {
         "architectures": [FAMILIES[args.family]], "model_type": args.family,
         **({"hidden_act": "silu"} if args.family != "gemma3_text" else {}),
-        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
+        # (Qwen3.5-MoE's config class has none: every block is sparse)
+        **({"intermediate_size": args.ffn_hidden} if args.family != "qwen3_5_moe_text" else {}),
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, **rope_fields(args),
         "max_position_embeddings": args.max_seq_len,
@@ -244,14 +254,14 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         raise ConfigError(f"checkpoint: a {args.family} config.json has none of Llama 4's experts weighed on their "
                           "inputs, L2 q/k norms, temperature tuning or chunked attention; this model has (export it "
                           "as llama4_text)")
-    if args.family == "qwen3_next":
-        computed |= qwen3_next_fields(args)
+    if args.family in QWEN_HYBRIDS:
+        computed |= qwen_hybrid_fields(args) | kept_multimodal_rope(computed["rope_scaling"], source)
     elif args.linear_layers or args.attention_gate or args.shared_expert_gate:
         raise ConfigError(f"checkpoint: a {args.family} config.json has no linear attention, gated attention or "
-                          "gated shared expert; this model has (export it as qwen3_next)")
+                          "gated shared expert; this model has (export it as qwen3_next or qwen3_5_text)")
     if args.family == "glm4_moe":
         computed |= glm_fields(args)
-    elif args.rotary_dim and args.family != "qwen3_next":
+    elif args.rotary_dim and args.family not in QWEN_HYBRIDS:
         raise ConfigError(f"checkpoint: a {args.family} config.json rotates every entry of a head; this model rotates "
                           f"{args.rotary_dim} of {args.head_dim} (export it as glm4_moe)")
     if args.family == "smollm3":

@@ -33,6 +33,10 @@ COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-
 QWEN = {"num_key_value_heads": 32, "max_position_embeddings": 32768, "use_sliding_window": False,
         "sliding_window": 4096}
 QWEN_DENSE = {"max_window_layers": 28, "layer_types": None}
+# Qwen3-Next's and Qwen3.5's (their linear attention's sizes are one model's: Qwen3-Next-80B-A3B's)
+QWEN_HYBRID = COMMON | {"head_dim": 256, "max_position_embeddings": 32768, "attention_bias": False, "layer_types": None,
+                        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                        "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 
 DEFAULTS = {
     "llama": COMMON | {"head_dim": None, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
@@ -71,11 +75,10 @@ DEFAULTS = {
                              "no_rope_layer_interval": 4, "use_qk_norm": True, "interleave_moe_layer_step": 1,
                              "moe_layers": None, "attn_temperature_tuning": True, "attn_scale": 0.1,
                              "floor_scale": 8192, "attention_chunk_size": 8192},
-    "qwen3_next": COMMON | {"num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 32768,
-                            "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": None,
-                            "num_experts_per_tok": 10, "norm_topk_prob": True, "layer_types": None,
-                            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                            "linear_num_key_heads": 16, "linear_num_value_heads": 32},
+    "qwen3_next": QWEN_HYBRID | {"num_key_value_heads": 2, "decoder_sparse_step": 1, "mlp_only_layers": None,
+                                 "num_experts_per_tok": 10, "norm_topk_prob": True},
+    "qwen3_5_text": QWEN_HYBRID | {"num_key_value_heads": 4},
+    "qwen3_5_moe_text": QWEN_HYBRID | {"num_key_value_heads": 2, "num_experts_per_tok": 8},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
@@ -104,4 +107,5 @@ NULLABLE = {
     "glm4_moe": set(), "llama4_text": {"moe_layers", "no_rope_layers", "layer_types"},
     "gemma3_text": {"layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
     "mixtral": {"head_dim", "sliding_window"}, "qwen3_next": {"mlp_only_layers", "layer_types"},
+    "qwen3_5_text": {"layer_types"}, "qwen3_5_moe_text": {"layer_types"},
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from plait.config import ConfigError
 from plait.hf.fields import Fields
+from plait.hf.qwen_next import QWEN_HYBRIDS
 from plait.models.args import ModelArgs
 
 # Gemma 3's switches: its config.json cannot turn them off, and no other family's can turn them on
@@ -25,7 +26,7 @@ def gemma_fields(args: ModelArgs) -> dict:
     """config.json's Gemma 3 fields for `args`; refused in one line where `args` is not Gemma 3's model,
     or (another family) has a switch only Gemma 3's config.json says."""
     if args.family != "gemma3_text":
-        shared = ("qk_norm", "zero_centered_norms") if args.family == "qwen3_next" else ("qk_norm",)
+        shared = ("qk_norm", "zero_centered_norms") if args.family in QWEN_HYBRIDS else ("qk_norm",)
         gemma_only = [name for name, value in GEMMA.items() if getattr(args, name) == value and name not in shared]
         if gemma_only or args.attention_scalar:
             raise ConfigError(f"checkpoint: a {args.family} config.json has no {', '.join(gemma_only) or 'attention_scalar'}"

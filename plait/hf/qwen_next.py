@@ -19,12 +19,13 @@ from plait.config import ConfigError
 from plait.hf.fields import Fields
 from plait.models.args import ModelArgs
 
-# Qwen3-Next's switches: its config.json cannot turn them off
+# The Qwen hybrids' model types, and their switches: their config.json cannot turn them off
+QWEN_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": True}
 
 
-def qwen3_next_switches(fields: Fields, n_layers: int) -> dict:
-    """The ModelArgs switches of a qwen3_next config.json (but the rotated share: `rotary_fraction`)."""
+def qwen_hybrid_switches(fields: Fields, family: str, n_layers: int) -> dict:
+    """The ModelArgs switches of a Qwen hybrid's config.json (but the rotated share: `rotary_fraction`)."""
     types = fields.texts("layer_types", n_layers)
     if types is None:
         interval = fields.integer("full_attention_interval") if fields.has("full_attention_interval") else 4
@@ -41,35 +42,74 @@ def qwen3_next_switches(fields: Fields, n_layers: int) -> dict:
         "linear_value_dim": fields.integer("linear_value_head_dim"),
         "linear_conv": fields.integer("linear_conv_kernel_dim"), "qkv_bias": bool(fields.flag("attention_bias")),
         "out_bias": bool(fields.flag("attention_bias"))}
-    experts = fields.integer("num_experts", minimum=0, required=True)
+    if family == "qwen3_5_text":
+        return switches
+    experts = fields.integer("num_experts", minimum=family == "qwen3_5_moe_text", required=True)
     if not experts:
         return switches
-    step, dense = fields.integer("decoder_sparse_step"), set(fields.integers("mlp_only_layers") or [])
     hidden = fields.integer("moe_intermediate_size", required=True)
+    if family == "qwen3_5_moe_text":  # (every block sparse; no intermediate_size: its experts' size instead)
+        step, dense, normalize = 1, set(), True
+    else:
+        step, dense = fields.integer("decoder_sparse_step"), set(fields.integers("mlp_only_layers") or [])
+        normalize = fields.flag("norm_topk_prob")
     shared = fields.integer("shared_expert_intermediate_size", required=True)
     if shared % hidden:  # (plait's shared experts are moe_intermediate_size wide each)
         fields.refuse("shared_expert_intermediate_size", f"a multiple of moe_intermediate_size {hidden}")
     return switches | {"n_experts": experts, "top_k": fields.integer("num_experts_per_tok"), "moe_hidden": hidden,
-                       "normalize_top_k": fields.flag("norm_topk_prob"), "n_shared_experts": shared // hidden,
+                       "normalize_top_k": normalize, "n_shared_experts": shared // hidden,
                        "shared_expert_gate": True,
-                       "dense_layers": tuple(i for i in range(n_layers) if i in dense or (i + 1) % step)}
+                       "dense_layers": tuple(i for i in range(n_layers) if i in dense or (i + 1) % step)} | (
+        {"ffn_hidden": hidden} if family == "qwen3_5_moe_text" else {})
 
 
-def qwen3_next_fields(args: ModelArgs) -> dict:
-    """config.json's Qwen3-Next fields for `args`, refused in one line where it is not Qwen3-Next's model."""
-    moe = not args.n_experts or (args.router == "softmax" and args.n_shared_experts and args.shared_expert_gate)
-    if not (args.linear_layers and moe and all(getattr(args, k) == v for k, v in QWEN3_NEXT.items())
+MROPE = ("mrope_section", "mrope_interleaved")
+
+
+def kept_multimodal_rope(scaling: dict | None, source: dict | None) -> dict:
+    """Qwen3.5's multimodal RoPE sections, from the source folder's config.json, in the RoPE object
+    written: a text's positions rotate alike with or without them, but the vision-language model
+    built from the export needs them."""
+    rope = (source or {}).get("rope_parameters") or (source or {}).get("rope_scaling") or {}
+    theirs = {k: v for k, v in rope.items() if k in MROPE} if isinstance(rope, dict) else {}
+    return {"rope_scaling": (scaling or {"rope_type": "default"}) | theirs} if theirs else {}
+
+
+# What each Qwen hybrid's experts are, in words, and whether `args`' are
+QWEN_EXPERTS = {"qwen3_next": "experts (if any) with a gated shared expert",
+                "qwen3_5_text": "no experts",
+                "qwen3_5_moe_text": "experts in every block, their top k renormalised, with a gated shared expert"}
+
+
+def experts_fit(args: ModelArgs) -> bool:
+    gated = args.router == "softmax" and args.n_shared_experts and args.shared_expert_gate
+    if args.family == "qwen3_5_text":
+        return not args.n_experts
+    if args.family == "qwen3_5_moe_text":
+        return bool(args.n_experts and gated and not args.dense_layers and args.normalize_top_k)
+    return not args.n_experts or bool(gated)
+
+
+def qwen_hybrid_fields(args: ModelArgs) -> dict:
+    """config.json's fields of `args`' Qwen hybrid, refused in one line where it is not that family's model."""
+    if not (args.linear_layers and experts_fit(args) and all(getattr(args, k) == v for k, v in QWEN3_NEXT.items())
             and args.qkv_bias == args.out_bias and not args.kv_lora_rank
             and not (args.sliding_window or args.post_norm or args.sandwich_norm or args.attention_sinks
                      or args.ffn_bias or args.expert_bias or args.router_bias or args.nope_layers)):
-        raise ConfigError("checkpoint: a qwen3_next config.json has linear-attention blocks among gated full-attention "
-                          "ones, zero-centred norms, per-head q/k norms, experts (if any) with a gated shared expert, "
-                          "and no windows, sinks or MLP biases; this model differs")
+        raise ConfigError(f"checkpoint: a {args.family} config.json has linear-attention blocks among gated full-"
+                          f"attention ones, zero-centred norms, per-head q/k norms, {QWEN_EXPERTS[args.family]}, and "
+                          "no windows, sinks or MLP biases; this model differs")
     fields = {"layer_types": ["linear_attention" if args.linear(i) else "full_attention" for i in range(args.n_layers)],
               "linear_num_key_heads": args.linear_key_heads, "linear_num_value_heads": args.linear_value_heads,
               "linear_key_head_dim": args.linear_key_dim, "linear_value_head_dim": args.linear_value_dim,
               "linear_conv_kernel_dim": args.linear_conv, "attention_bias": args.qkv_bias,
-              "partial_rotary_factor": args.rope_dim / args.head_dim, "num_experts": args.n_experts}
+              "partial_rotary_factor": args.rope_dim / args.head_dim}
+    if args.family == "qwen3_5_moe_text":  # (its config class has no intermediate_size, sparse step or norm_topk_prob)
+        return fields | {"intermediate_size": None, "num_experts": args.n_experts, "num_experts_per_tok": args.top_k,
+                         "moe_intermediate_size": args.moe_hidden,
+                         "shared_expert_intermediate_size": args.moe_hidden * args.n_shared_experts}
+    if args.family == "qwen3_next":
+        fields["num_experts"] = args.n_experts
     if args.n_experts:
         fields |= {"num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_hidden,
                    "shared_expert_intermediate_size": args.moe_hidden * args.n_shared_experts,
@@ -84,12 +124,16 @@ def fused_tensors(args: ModelArgs, block: int) -> dict[str, tuple[tuple[str, ...
     if args.linear(block):
         ratio, keys = args.linear_value_heads // args.linear_key_heads, args.linear_key_heads * args.linear_key_dim
         dk, dv = args.linear_key_dim, args.linear_value_dim
+        values = args.linear_value_heads * dv
+        conv = {"linear_attn.conv1d.weight": (("attention.conv_q", "attention.conv_k", "attention.conv_v"),
+                                              (keys, keys, values), 1)}
+        if args.family != "qwen3_next":  # (Qwen3.5: q, k and v apart from z, b and a, whole heads one after the other)
+            qkv = tuple(f"attention.w{kind}.weight" for kind in "qkv")
+            return {"linear_attn.in_proj_qkv.weight": (qkv, (keys, keys, values), 1)} | conv
         qkvz = tuple(f"attention.w{kind}.weight" for kind in "qkvz")
         return {"linear_attn.in_proj_qkvz.weight": (qkvz, (dk, dk, ratio * dv, ratio * dv), args.linear_key_heads),
                 "linear_attn.in_proj_ba.weight": (("attention.wb.weight", "attention.wa.weight"), (ratio, ratio),
-                                                  args.linear_key_heads),
-                "linear_attn.conv1d.weight": (("attention.conv_q", "attention.conv_k", "attention.conv_v"),
-                                              (keys, keys, args.linear_value_heads * dv), 1)}
+                                                  args.linear_key_heads)} | conv
     if args.attention_gate:
         return {"self_attn.q_proj.weight": (("attention.wq.weight", "attention.wg.weight"),
                                             (args.head_dim, args.head_dim), args.n_heads)}
@@ -113,7 +157,11 @@ def fused_whole(tensors: list[torch.Tensor], rows: tuple[int, ...], groups: int,
 # A linear block's tensors and Qwen3-Next's shared expert, on disk (the rest are named as Llama's relatives')
 LINEAR_NAMES = {"attention.A_log": "linear_attn.A_log", "attention.dt_bias": "linear_attn.dt_bias",
                 "attention.out_norm.weight": "linear_attn.norm.weight",
-                "attention.wo.weight": "linear_attn.out_proj.weight"}
+                "attention.wo.weight": "linear_attn.out_proj.weight",
+                # (Qwen3.5's own tensors; Qwen3-Next holds them in in_proj_qkvz and in_proj_ba)
+                "attention.wz.weight": "linear_attn.in_proj_z.weight",
+                "attention.wb.weight": "linear_attn.in_proj_b.weight",
+                "attention.wa.weight": "linear_attn.in_proj_a.weight"}
 SHARED_EXPERT = {"feed_forward.shared.w1": "mlp.shared_expert.gate_proj", "feed_forward.shared.w3":
                  "mlp.shared_expert.up_proj", "feed_forward.shared.w2": "mlp.shared_expert.down_proj",
                  "feed_forward.shared_gate": "mlp.shared_expert_gate"}
@@ -125,8 +173,8 @@ def holder(args: ModelArgs, block: int, rest: str) -> tuple[str, tuple[str, ...]
     return next(((held, *fused) for held, fused in fused_tensors(args, block).items() if rest in fused[0]), None)
 
 
-def qwen3_next_name(args: ModelArgs, block: int, rest: str) -> str | None:
-    """The name in the block on disk of plait's `rest` of block `block`, where Qwen3-Next names it
+def qwen_hybrid_name(args: ModelArgs, block: int, rest: str) -> str | None:
+    """The name in the block on disk of plait's `rest` of block `block`, where the Qwen hybrid names it
     its own way (None: as Llama's relatives do)."""
     held = holder(args, block, rest)
     if held is not None:

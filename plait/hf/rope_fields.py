@@ -22,8 +22,8 @@ ROPE_OBJECT = "an object (rope_type and its fields) or null"
 
 
 # The families whose attention rotates only part of each head, and the share their config class
-# gives where config.json says none (GLM-4.5's sets 0.5, Qwen3-Next's 0.25).
-PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_next": 0.25}
+# gives where config.json says none (GLM-4.5's sets 0.5, the Qwen hybrids' 0.25).
+PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_text": 0.25, "qwen3_5_moe_text": 0.25}
 
 
 def rotary_fraction(config: dict, family: str, where: str) -> float:

@@ -36,9 +36,10 @@ Parameter names (plait -> Hugging Face):
              feed_forward.router, feed_forward.shared.* -> feed_forward.shared_expert.*, its experts
              fused as gpt-oss's (gate_up_proj: gate then up, not interleaved); q and k not reordered
              (its RoPE is Meta's interleaved pairs)
-    Qwen3-Next: q/k/v/z, b/a and the convolutions of a linear block, and a full block's query and
-             output gate, are parts of its tensors (plait/hf/qwen_next.py); layers.N.attention.* of a
-             linear block -> model.layers.N.linear_attn.*; the shared expert (gated) -> mlp.shared_expert(_gate)
+    Qwen3-Next and Qwen3.5: q/k/v (Qwen3-Next: z, b, a too) and the convolutions of a linear block,
+             and a full block's query and output gate, are parts of its tensors (plait/hf/qwen_next.py);
+             layers.N.attention.* of a linear block -> model.layers.N.linear_attn.*; the shared expert
+             (gated) -> mlp.shared_expert(_gate)
     Gemma 3's sandwich: attention_norm, post_attention_norm, ffn_norm, post_ffn_norm -> input_layernorm,
                                                post_attention_layernorm, pre_feedforward_layernorm,
                                                post_feedforward_layernorm
@@ -71,7 +72,7 @@ from plait.config import ConfigError
 from plait.file_names import first_stray
 from plait.hf.config import describe_difference
 from plait.hf.config import model_args as hf_model_args
-from plait.hf.qwen_next import fused_part, fused_whole, holder, qwen3_next_name
+from plait.hf.qwen_next import QWEN_HYBRIDS, fused_part, fused_whole, holder, qwen_hybrid_name
 from plait.models.args import ModelArgs
 
 LAYER_NAMES = {
@@ -147,7 +148,7 @@ def hf_name(name: str, args: ModelArgs) -> str:
         return f"model.layers.{index}.{MTP_NAMES[rest.rsplit('.', 1)[0]]}.{rest.rsplit('.', 1)[1]}"
     if rest == ROUTER_BIAS:
         return f"model.layers.{index}.mlp.gate.e_score_correction_bias"
-    if args.family == "qwen3_next" and (named := qwen3_next_name(args, int(index), rest)):
+    if args.family in QWEN_HYBRIDS and (named := qwen_hybrid_name(args, int(index), rest)):
         return f"model.layers.{index}.{named}"
     module, kind = rest.rsplit(".", 1)
     norms = "sandwich" if args.sandwich_norm else "post" if args.post_norm else "pre"
@@ -189,10 +190,10 @@ def fused_merged(state_dict: dict[str, torch.Tensor], name: str, family: str) ->
 
 
 def held_with_others(name: str, args: ModelArgs) -> tuple[str, list[str], tuple[int, ...], int] | None:
-    """Qwen3-Next: the tensor on disk that holds plait's `name` with others (plait/hf/qwen_next.py),
+    """The Qwen hybrids: the tensor on disk that holds plait's `name` with others (plait/hf/qwen_next.py),
     their names, their rows per group and the groups; None elsewhere."""
     layer = LAYER.match(name)
-    held = holder(args, int(layer.group(1)), layer.group(2)) if layer and args.family == "qwen3_next" else None
+    held = holder(args, int(layer.group(1)), layer.group(2)) if layer and args.family in QWEN_HYBRIDS else None
     if held is None:
         return None
     whole, names, rows, groups = held
@@ -325,7 +326,7 @@ def no_weight(name: str, args: ModelArgs) -> bool:
     layer = LAYER.match(name.removeprefix("model."))
     return name.endswith(".rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight") or (
         args.family == "deepseek_v3" and layer is not None and int(layer.group(1)) >= args.n_layers) or (
-        args.family == "qwen3_next" and name.startswith("mtp."))  # (its MTP module, which transformers leaves too)
+        args.family in QWEN_HYBRIDS and name.startswith("mtp."))  # (their MTP module, which transformers leaves too)
 
 
 def parameter_shapes(args: ModelArgs) -> tuple[list[str], dict[str, torch.Size]]:

@@ -36,6 +36,10 @@ QWEN3_NEXT = dict(norm_eps=1e-6, head_dim=32, rotary_dim=8, qk_norm="head", zero
                   attention_gate=True, linear_layers=(0,), linear_key_heads=2, linear_value_heads=4,
                   linear_key_dim=16, linear_value_dim=16, family="qwen3_next")
 QWEN3_NEXT_MOE = QWEN3_NEXT | dict(n_shared_experts=1, shared_expert_gate=True)
+# Qwen3.5's: Qwen3-Next's block, its real linear-attention sizes (16 key heads of 128 to 32 value heads)
+QWEN3_5 = QWEN3_NEXT | dict(head_dim=256, rotary_dim=64, linear_layers=tuple(i for i in range(32) if i % 4 != 3),
+                            linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128,
+                            family="qwen3_5_text")
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -185,6 +189,15 @@ FLAVORS = {
                                         "head_dim": 256, "rotary_dim": 64, "linear_layers": tuple(
                                             i for i in range(48) if i % 4 != 3), "linear_key_heads": 16,
                                         "linear_value_heads": 32, "linear_key_dim": 128, "linear_value_dim": 128}),
+    # Qwen3.5's language models, the shapes transformers' config classes name (Qwen3.5-9B, dense; and
+    # Qwen3.5-35B-A3B, experts in every block): for plan
+    "qwen3_5_9b": ModelArgs(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, vocab_size=248320, ffn_hidden=12288,
+                            max_seq_len=262144, rope_theta=10000000.0, **QWEN3_5),
+    "qwen3_5_35b_a3b": ModelArgs(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, vocab_size=248320, ffn_hidden=512,
+                                 max_seq_len=262144, rope_theta=10000000.0, n_experts=256, top_k=8, moe_hidden=512,
+                                 **QWEN3_5 | dict(n_shared_experts=1, shared_expert_gate=True,
+                                                  linear_layers=tuple(i for i in range(40) if i % 4 != 3),
+                                                  family="qwen3_5_moe_text")),
     # A CPU benchmark size (small_moe's width and experts) and its twin with grouped-query attention
     "small_mla": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=0, ffn_hidden=1024,
                            kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_experts=8,

@@ -22,6 +22,7 @@ import torch
 from hypothesis import strategies as st
 
 from plait.config import ConfigError
+from plait.hf.qwen_next import QWEN_HYBRIDS
 from plait.hf.rope_fields import LAYERED
 from plait.proof.fuzz import Counterexample, Generator
 
@@ -29,7 +30,7 @@ VOCAB, SEQ = 320, 40  # (windows are at most 16 keys: every window is shorter th
 LOGITS_BOUND = 1e-5  # fp32, as tests/test_families.py: measured <= 5e-7, other kernel orders
 EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
            "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts", "llama4_text": "num_local_experts",
-           "qwen3_next": "num_experts"}
+           "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts"}
 ABSENT = object()  # a field left out of config.json
 
 
@@ -91,15 +92,16 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
                    "num_experts_per_tok": draw(st.integers(1, 2))}
     if family == "llama4_text":  # (its dense blocks' size, which no default fits)
         config["intermediate_size_mlp"] = draw(st.sampled_from([32, 64]))
-    if family == "qwen3_next":  # (a dense one too; its shared expert 1 or 2 experts wide, as plait holds it)
+    if family == "qwen3_next":  # (a dense one too)
         config[EXPERTS[family]] = draw(st.sampled_from([0, experts]))
+    if family in ("qwen3_next", "qwen3_5_moe_text"):  # (a shared expert 1 or 2 experts wide, as plait holds it)
         config["shared_expert_intermediate_size"] = config["moe_intermediate_size"] * draw(st.integers(1, 2))
     # (their defaults, 2-8 key heads of 128 or 256, fit no small model)
-    if family in ("gemma3_text", "llama4_text", "qwen3_next"):
+    if family in ("gemma3_text", "llama4_text", *QWEN_HYBRIDS):
         config |= {"num_key_value_heads": draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0])),
                    "head_dim": head_dim}
     groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]))
-    kinds = ["linear_attention" if family == "qwen3_next" else "sliding_attention", "full_attention"]
+    kinds = ["linear_attention" if family in QWEN_HYBRIDS else "sliding_attention", "full_attention"]
     layer_list = st.lists(st.sampled_from(kinds), min_size=layers, max_size=layers)
     legal = {
         "num_key_value_heads": st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]),
@@ -217,8 +219,8 @@ def transformers_model(folder: Path):
             for name, p in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith(("bias", "sinks")):
                     p.normal_(0, 0.5 if "correction" not in name else 0.1)
-                elif "norm" in name:  # (Gemma's norms' gains are 1 + weight)
-                    p.uniform_(0.5, 1.5).sub_(1 if config.model_type in ("gemma3_text", "qwen3_next") else 0)
+                elif "norm" in name:  # (Gemma's and the Qwen hybrids' norms' gains are 1 + weight)
+                    p.uniform_(0.5, 1.5).sub_(1 if config.model_type in ("gemma3_text", *QWEN_HYBRIDS) else 0)
             logits = model(batch(), use_cache=False).logits  # (a cache of linear blocks alone fails in it)
     except Exception:  # noqa: BLE001 (any failure of transformers' own: the case is not a model)
         return None, None
