@@ -115,6 +115,13 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
         head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=96)),
+    # OLMo hybrid: linear blocks 0, 2, 3 (2 key heads of 16 to 4 value heads of 8; the step doubled) that
+    # norm their inputs, and an OLMo 3 attention block 1 (norms after each sub-layer, q/k norms over
+    # the projection) with RoPE
+    "olmo_hybrid": ("OlmoHybridConfig", dict(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
 }
 ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (their norms' gains are 1 + w)
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
@@ -226,7 +233,7 @@ def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, f
     from safetensors.torch import load_file
 
     from plait.hf.config import hf_config
-    from plait.hf.qwen_next import MROPE
+    from plait.hf.hybrid import MROPE
     from plait.hf.weights import write_weights
 
     source = folders(family)
@@ -378,6 +385,8 @@ NULLS = {
                                                 "sets use_bidirectional_attention (bidirectional attention)"),
     "gemma3_text-hidden_activation": ("gemma3_text", {"hidden_activation": "silu"},
                                       "sets hidden_activation 'silu'; allowed: 'gelu_pytorch_tanh'"),
+    # OLMo hybrid's released folders: a RoPE base of null, attention without RoPE
+    "olmo_hybrid-rope_theta": ("olmo_hybrid", {"rope_parameters": {"rope_type": "default", "rope_theta": None}}, None),
     # YaRN's truncate by layer type: transformers reads it from rope_parameters itself (none): truncated
     "olmo3-yarn-truncate": ("olmo3", {"rope_parameters": {"full_attention": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32,
@@ -441,6 +450,20 @@ def test_gpt_oss_rope_scaling_null_is_its_default_yarn_as_in_transformers(folder
         assert read["rope_type"] == rope_type
         assert rope_type == "default" or read == theirs.config.rope_parameters
         assert plait_model_args(out).rope_scaling == args.rope_scaling
+
+
+def test_olmo_hybrid_without_rope_exports_without_rope(folders, tmp_path):
+    """A RoPE base of null (OLMo hybrid's released folders: attention without RoPE) is written back
+    as null: transformers' model of the export builds no RoPE either."""
+    from plait.hf.config import hf_config
+
+    folder = changed_folder(folders("olmo_hybrid"), tmp_path / "nope", {"rope_parameters": {"rope_theta": None}})
+    args = plait_model_args(folder)
+    assert args.nope_layers == (1,)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text(json.dumps(hf_config(args, torch.float32, None, 0)))
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").rope_parameters["rope_theta"] is None
+    assert plait_model_args(tmp_path / "out") == args
 
 
 def test_llama4_sequences_longer_than_its_attention_chunk_are_refused_at_start_up(folders, tmp_path):

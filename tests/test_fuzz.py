@@ -25,10 +25,12 @@ def prove(name: str, examples: int, expected: set[str], generator=None):
 # RoPE by layer type), Gemma 3 (the same, and its norms, scales and GeGLU), GLM-4.5 (DeepSeek-V3's
 # router, RoPE on part of each head), Llama 4 (its router, blocks without RoPE, temperature, chunks) and
 # Qwen3-Next (linear-attention blocks and their heads, gates, experts or none, a quarter of each head rotated);
-# Qwen3.5's two share its code but their tensors on disk.
+# Qwen3.5's two share its code but their tensors on disk; OLMo hybrid (its linear heads and sizes derived
+# or given, RoPE or none, the step doubled or not).
 FAMILY_BUDGET = {"deepseek_v3": 60, "gpt_oss": 20, "llama": 10, "mistral": 10, "qwen2": 10, "qwen3": 10, "olmo2": 10,
                  "olmo3": 20, "glm4_moe": 20, "gemma3_text": 20, "llama4_text": 20, "smollm3": 10, "qwen3_moe": 10,
-                 "mixtral": 10, "qwen3_next": 20, "qwen3_5_text": 10, "qwen3_5_moe_text": 10}
+                 "mixtral": 10, "qwen3_next": 20, "qwen3_5_text": 10, "qwen3_5_moe_text": 10,
+                 "olmo_hybrid": 15}
 
 
 @pytest.mark.parametrize("family", FAMILY_BUDGET)

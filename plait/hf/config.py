@@ -24,8 +24,9 @@ from plait.hf.defaults import DEFAULTS
 from plait.hf.fields import Fields, family_fields
 from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
+from plait.hf.hybrid import (QWEN_HYBRIDS, kept_multimodal_rope, olmo_hybrid_fields, olmo_hybrid_switches,
+                             qwen_hybrid_fields, qwen_hybrid_switches, rope_off)
 from plait.hf.llama4 import llama4_fields, llama4_switches
-from plait.hf.qwen_next import QWEN_HYBRIDS, kept_multimodal_rope, qwen_hybrid_fields, qwen_hybrid_switches
 from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings, rotary_fraction
 from plait.models.args import ModelArgs
 
@@ -45,7 +46,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
             "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
 ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
@@ -96,6 +97,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
         switches |= gemma_switches(fields)
     if family in QWEN_HYBRIDS:
         switches |= qwen_hybrid_switches(fields, family, n_layers)
+    if family == "olmo_hybrid":
+        switches |= olmo_hybrid_switches(fields, n_layers)
     if family == "llama4_text":
         switches |= llama4_switches(fields, n_layers, nope_layers(fields, n_layers))
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
@@ -184,6 +187,8 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     if family in LAYERED:
         (theta, scaling), local = layered_rope_settings(config, family, where)
         local_rope = {} if local == (theta, scaling) else {"local_rope_theta": local[0], "local_rope_scaling": local[1]}
+    elif family == "olmo_hybrid" and rope_off(config):  # (no RoPE: no base to read)
+        (theta, scaling), local_rope = (ModelArgs.rope_theta, None), {}
     else:
         (theta, scaling), local_rope = rope_settings(config, family, where), {}
     # (sizes have no default: a missing one is refused by name)
@@ -256,9 +261,11 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
                           "as llama4_text)")
     if args.family in QWEN_HYBRIDS:
         computed |= qwen_hybrid_fields(args) | kept_multimodal_rope(computed["rope_scaling"], source)
+    elif args.family == "olmo_hybrid":
+        computed |= olmo_hybrid_fields(args)
     elif args.linear_layers or args.attention_gate or args.shared_expert_gate:
         raise ConfigError(f"checkpoint: a {args.family} config.json has no linear attention, gated attention or "
-                          "gated shared expert; this model has (export it as qwen3_next or qwen3_5_text)")
+                          "gated shared expert; this model has (export it as qwen3_next, qwen3_5_text or olmo_hybrid)")
     if args.family == "glm4_moe":
         computed |= glm_fields(args)
     elif args.rotary_dim and args.family not in QWEN_HYBRIDS:

@@ -25,7 +25,9 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",
         "use_qk_norm", "hidden_activation", "query_pre_attn_scalar", "interleave_moe_layer_step", "moe_layers",
         "attn_temperature_tuning", "attn_scale", "floor_scale", "attention_chunk_size", "linear_conv_kernel_dim",
-        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
+        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_allow_neg_eigval", "linear_a_log_min", "linear_a_log_max", "linear_dt_min", "linear_dt_max",
+        "linear_dt_init_floor")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -79,6 +81,12 @@ DEFAULTS = {
                                  "num_experts_per_tok": 10, "norm_topk_prob": True},
     "qwen3_5_text": QWEN_HYBRID | {"num_key_value_heads": 4},
     "qwen3_5_moe_text": QWEN_HYBRID | {"num_key_value_heads": 2, "num_experts_per_tok": 8},
+    # (its linear heads and sizes: None, derived from the attention heads and the width)
+    "olmo_hybrid": COMMON | {"max_position_embeddings": 65536, "attention_bias": False, "layer_types": None,
+                             "linear_num_key_heads": None, "linear_num_value_heads": None, "linear_key_head_dim": None,
+                             "linear_value_head_dim": None, "linear_conv_kernel_dim": 4,
+                             "linear_allow_neg_eigval": True, "linear_a_log_min": 0.0, "linear_a_log_max": 16.0,
+                             "linear_dt_min": 0.001, "linear_dt_max": 0.1, "linear_dt_init_floor": 1e-4},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
@@ -108,4 +116,6 @@ NULLABLE = {
     "gemma3_text": {"layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
     "mixtral": {"head_dim", "sliding_window"}, "qwen3_next": {"mlp_only_layers", "layer_types"},
     "qwen3_5_text": {"layer_types"}, "qwen3_5_moe_text": {"layer_types"},
+    "olmo_hybrid": {"num_key_value_heads", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
+                    "linear_key_head_dim", "linear_value_head_dim"},
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from plait.config import ConfigError
 from plait.hf.fields import Fields
-from plait.hf.qwen_next import QWEN_HYBRIDS
+from plait.hf.hybrid import QWEN_HYBRIDS
 from plait.models.args import ModelArgs
 
 # Gemma 3's switches: its config.json cannot turn them off, and no other family's can turn them on

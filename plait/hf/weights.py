@@ -37,7 +37,7 @@ Parameter names (plait -> Hugging Face):
              fused as gpt-oss's (gate_up_proj: gate then up, not interleaved); q and k not reordered
              (its RoPE is Meta's interleaved pairs)
     Qwen3-Next and Qwen3.5: q/k/v (Qwen3-Next: z, b, a too) and the convolutions of a linear block,
-             and a full block's query and output gate, are parts of its tensors (plait/hf/qwen_next.py);
+             and a full block's query and output gate, are parts of its tensors (plait/hf/hybrid.py);
              layers.N.attention.* of a linear block -> model.layers.N.linear_attn.*; the shared expert
              (gated) -> mlp.shared_expert(_gate)
     Gemma 3's sandwich: attention_norm, post_attention_norm, ffn_norm, post_ffn_norm -> input_layernorm,
@@ -72,7 +72,7 @@ from plait.config import ConfigError
 from plait.file_names import first_stray
 from plait.hf.config import describe_difference
 from plait.hf.config import model_args as hf_model_args
-from plait.hf.qwen_next import QWEN_HYBRIDS, fused_part, fused_whole, holder, qwen_hybrid_name
+from plait.hf.hybrid import HYBRIDS, QWEN_HYBRIDS, fused_part, fused_whole, holder, hybrid_name, on_disk
 from plait.models.args import ModelArgs
 
 LAYER_NAMES = {
@@ -129,6 +129,8 @@ def mtp_as_layer(name: str, args: ModelArgs) -> str:
 def hf_names(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face tensors of a plait parameter: one, or an expert tensor's E slices."""
     name = mtp_as_layer(name, args)
+    if (held := held_with_others(name, args)) is not None:
+        return on_disk(args, held[0])
     index, rest = LAYER.match(name).groups() if name not in TOP_NAMES else (None, "")
     if args.family in FUSED_EXPERTS and rest.startswith("feed_forward.experts."):
         return [f"model.layers.{index}.{FUSED_EXPERTS[args.family]}.{GPT_OSS_EXPERTS[rest.rsplit('.', 1)[1]][0]}"]
@@ -148,7 +150,7 @@ def hf_name(name: str, args: ModelArgs) -> str:
         return f"model.layers.{index}.{MTP_NAMES[rest.rsplit('.', 1)[0]]}.{rest.rsplit('.', 1)[1]}"
     if rest == ROUTER_BIAS:
         return f"model.layers.{index}.mlp.gate.e_score_correction_bias"
-    if args.family in QWEN_HYBRIDS and (named := qwen_hybrid_name(args, int(index), rest)):
+    if args.family in HYBRIDS and (named := hybrid_name(args, int(index), rest)):
         return f"model.layers.{index}.{named}"
     module, kind = rest.rsplit(".", 1)
     norms = "sandwich" if args.sandwich_norm else "post" if args.post_norm else "pre"
@@ -190,10 +192,10 @@ def fused_merged(state_dict: dict[str, torch.Tensor], name: str, family: str) ->
 
 
 def held_with_others(name: str, args: ModelArgs) -> tuple[str, list[str], tuple[int, ...], int] | None:
-    """The Qwen hybrids: the tensor on disk that holds plait's `name` with others (plait/hf/qwen_next.py),
+    """The hybrids: the tensor on disk that holds plait's `name` with others (plait/hf/hybrid.py),
     their names, their rows per group and the groups; None elsewhere."""
     layer = LAYER.match(name)
-    held = holder(args, int(layer.group(1)), layer.group(2)) if layer and args.family in QWEN_HYBRIDS else None
+    held = holder(args, int(layer.group(1)), layer.group(2)) if layer and args.family in HYBRIDS else None
     if held is None:
         return None
     whole, names, rows, groups = held
@@ -242,8 +244,10 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
             whole, names, rows, groups = held
             parts[name] = tensor
             if all(n in parts for n in names):
-                tensors[whole] = fused_whole([parts[n] for n in names], rows, groups,
-                                             whole.endswith("conv1d.weight")).to(dtype).contiguous()
+                merged = fused_whole([parts[n] for n in names], rows, groups, whole.endswith("conv1d.weight"))
+                stored = on_disk(args, whole)
+                for hf, piece in zip(stored, merged.split(list(rows)) if len(stored) > 1 else [merged]):
+                    tensors[hf] = piece.to(dtype).contiguous()
             continue
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
@@ -363,11 +367,12 @@ class HFWeights(Mapping):
         for hf in hf_names(name, self.args):
             with safe_open(str(self.files[hf]), "pt") as weights:
                 pieces.append(weights.get_tensor(hf).float())
-        try:
-            tensor = torch.stack(pieces) if len(pieces) > 1 else pieces[0]
+        held = held_with_others(name, self.args)
+        try:  # (an expert tensor's slices stacked; the parts on disk of one holding several, joined)
+            tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if held else torch.stack(pieces)
             if self.args.family in FUSED_EXPERTS and ".experts." in name:
                 tensor = fused_expert(name, tensor, self.args.family).contiguous()
-            if (held := held_with_others(name, self.args)) is not None:
+            if held is not None:
                 tensor = fused_part(tensor, name, *held[1:]).contiguous()
             if rope_reordered(name, self.args):
                 tensor = from_hf_rope_order(tensor, self.args.head_dim, self.args.rope_dim)

@@ -97,7 +97,7 @@ class ModelArgs:
     # DeepSeek-V3's multi-token prediction: mtp_layers (0 or 1) more blocks after the last; from
     # the last block's output and the embedding of token t+1 one predicts token t+2 (training only).
     mtp_layers: int = 0
-    # Hybrid linear attention (Qwen3-Next, Qwen3.5; plait/models/linear_attention.py): the blocks in
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5, OLMo hybrid; plait/models/linear_attention.py): the blocks in
     # linear_layers mix tokens by the gated delta rule, not attention: linear_key_heads query/key
     # heads of linear_key_dim, linear_value_heads value heads of linear_value_dim (a multiple of the
     # key heads: each key head serves as many consecutive value heads), and a causal depthwise
@@ -109,6 +109,14 @@ class ModelArgs:
     linear_value_dim: int = 0
     linear_conv: int = 4
     linear_chunk: int = 64  # positions the chunked rule solves at once (the result's rounding alone depends on it)
+    # OLMo hybrid's variant: the step b doubled (sigmoid x 2, in [0, 2]: the transition I - b k k^T may
+    # have negative eigenvalues), the output norm's own eps (0: norm_eps), and its initialisation: the
+    # gate rates e^A_log uniform in linear_a_init; dt_bias ones where linear_dt_init is (), else the
+    # softplus inverse of a dt log-uniform in [min, max] and at least floor (Mamba's: min, max, floor).
+    linear_negative_eigenvalues: bool = False
+    linear_norm_eps: float = 0.0
+    linear_a_init: tuple[float, float] = (1.0, 16.0)
+    linear_dt_init: tuple[float, ...] = ()
     attention_gate: bool = False  # attention's output times sigmoid(a gate projection), per entry (Qwen3-Next)
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(a projection to 1) (Qwen3-Next)
 
@@ -118,6 +126,8 @@ class ModelArgs:
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         object.__setattr__(self, "full_layers", tuple(self.full_layers))
         object.__setattr__(self, "linear_layers", tuple(self.linear_layers))
+        object.__setattr__(self, "linear_a_init", tuple(self.linear_a_init))
+        object.__setattr__(self, "linear_dt_init", tuple(self.linear_dt_init))
         # Settled once, so a checkpoint's manifest records every number of the shape.
         if self.kv_lora_rank:
             object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)

@@ -36,6 +36,9 @@ QWEN3_NEXT = dict(norm_eps=1e-6, head_dim=32, rotary_dim=8, qk_norm="head", zero
                   attention_gate=True, linear_layers=(0,), linear_key_heads=2, linear_value_heads=4,
                   linear_key_dim=16, linear_value_dim=16, family="qwen3_next")
 QWEN3_NEXT_MOE = QWEN3_NEXT | dict(n_shared_experts=1, shared_expert_gate=True)
+# OLMo hybrid's: OLMo 3's attention blocks, linear blocks that norm their inputs, the step doubled, Mamba's init
+OLMO_HYBRID = dict(qk_norm="projection", post_norm=True, linear_norm_eps=1e-5, linear_negative_eigenvalues=True,
+                   linear_a_init=(0.0, 16.0), linear_dt_init=(0.001, 0.1, 1e-4), family="olmo_hybrid")
 # Qwen3.5's: Qwen3-Next's block, its real linear-attention sizes (16 key heads of 128 to 32 value heads)
 QWEN3_5 = QWEN3_NEXT | dict(head_dim=256, rotary_dim=64, linear_layers=tuple(i for i in range(32) if i % 4 != 3),
                             linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128,
@@ -189,6 +192,17 @@ FLAVORS = {
                                         "head_dim": 256, "rotary_dim": 64, "linear_layers": tuple(
                                             i for i in range(48) if i % 4 != 3), "linear_key_heads": 16,
                                         "linear_value_heads": 32, "linear_key_dim": 128, "linear_value_dim": 128}),
+    # OLMo hybrid: the CPU test size (a linear block of 2 key heads of 16 to 4 value heads of 16, then an
+    # attention block without RoPE; chunks of 16) and Olmo-Hybrid-7B (every fourth block attention, no RoPE)
+    "debug_olmo_hybrid": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
+                                   norm_eps=1e-6, linear_layers=(0,), linear_key_heads=2, linear_value_heads=4,
+                                   linear_key_dim=16, linear_value_dim=16, linear_chunk=16, nope_layers=(1,),
+                                   **OLMO_HYBRID),
+    "olmo_hybrid_7b": ModelArgs(dim=3840, n_layers=32, n_heads=30, n_kv_heads=30, vocab_size=100352, ffn_hidden=11008,
+                                norm_eps=1e-6, max_seq_len=65536,
+                                linear_layers=tuple(i for i in range(32) if i % 4 != 3),
+                                linear_key_heads=30, linear_value_heads=30, linear_key_dim=96, linear_value_dim=192,
+                                nope_layers=tuple(range(3, 32, 4)), **OLMO_HYBRID),
     # Qwen3.5's language models, the shapes transformers' config classes name (Qwen3.5-9B, dense; and
     # Qwen3.5-35B-A3B, experts in every block): for plan
     "qwen3_5_9b": ModelArgs(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, vocab_size=248320, ffn_hidden=12288,

@@ -151,9 +151,10 @@ class GatedDeltaNet(nn.Module):
         self.conv_v = nn.Parameter(torch.empty(values, args.linear_conv))
         self.A_log = nn.Parameter(torch.empty(heads))  # the gate's rate per head: g = -e^A_log x dt
         self.dt_bias = nn.Parameter(torch.ones(heads))
-        self.out_norm = GatedRMSNorm(self.value_dim, args.norm_eps)
+        self.out_norm = GatedRMSNorm(self.value_dim, args.linear_norm_eps or args.norm_eps)
         self.wo = nn.Linear(values, args.dim, bias=False)
         self.chunk = args.linear_chunk
+        self.step_scale = 2.0 if args.linear_negative_eigenvalues else 1.0
 
     def local(self, name: str) -> torch.Tensor:
         """The parameter `name` as this rank computes with it (tensor parallelism hands its share)."""
@@ -166,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         attention.py's KVCache)."""
         batch, seq, _ = x.shape
         documents = mask.get("documents") if isinstance(mask, dict) else mask  # (FlexAttention's: BlockMasks too)
-        beta = torch.sigmoid(self.wb(x))
+        beta = torch.sigmoid(self.wb(x)) * self.step_scale
         g = -self.local("A_log").float().exp() * F.softplus(self.wa(x).float() + self.local("dt_bias"))
         out = self.mix([self.wq(x), self.wk(x), self.wv(x)], g, beta, documents, cache)
         z = self.wz(x).view(batch, seq, -1, self.value_dim)

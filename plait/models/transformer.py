@@ -29,7 +29,8 @@ from plait.models.rope import rope_table
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
-        self.post_norm, self.sandwich_norm = args.post_norm, args.sandwich_norm
+        # (a linear block norms its inputs whatever the attention blocks do: OLMo hybrid's)
+        self.post_norm, self.sandwich_norm = args.post_norm and not args.linear(index), args.sandwich_norm
         self.attention_norm = model_norm(args.dim, args)
         self.attention = GatedDeltaNet(args) if args.linear(index) else \
             LatentAttention(args, args.window(index)) if args.kv_lora_rank else \
@@ -201,7 +202,7 @@ class Transformer(nn.Module):
             return None
         if name.endswith(("conv_q", "conv_k", "conv_v")):
             return conv_init_std(self.args)
-        if name.endswith("dt_bias"):  # (ones, as transformers' Qwen3-Next)
+        if name.endswith("dt_bias") and not self.args.linear_dt_init:  # (ones, as transformers' Qwen3-Next)
             return None
         if name.endswith("norm.weight"):  # (a zero-centred norm's weight is its offset from 1)
             return 0.0 if self.args.zero_centered_norms else None
@@ -225,8 +226,13 @@ def initial_value(model: Transformer, name: str, shape: torch.Size, seed: int) -
     """
     key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
     generator = torch.Generator().manual_seed(key)
-    if name.endswith("A_log"):  # linear attention's gate rates e^A_log, uniform in [1, 16] per head (Mamba's)
-        return torch.empty(shape).uniform_(1, 16, generator=generator).log()
+    if name.endswith("A_log"):  # linear attention's gate rates e^A_log, uniform per head (Mamba's)
+        return torch.empty(shape).uniform_(*model.args.linear_a_init, generator=generator).log()
+    if name.endswith("dt_bias") and model.args.linear_dt_init:  # softplus^-1 of a log-uniform dt (Mamba's)
+        low, high, floor = model.args.linear_dt_init
+        dt = (torch.rand(shape, generator=generator) * (math.log(high) - math.log(low)) + math.log(low)).exp()
+        dt = dt.clamp(min=floor)
+        return dt + torch.log(-torch.expm1(-dt))
     std = model.init_std(name)
     if std is None:
         return torch.ones(shape)

@@ -22,7 +22,7 @@ import torch
 from hypothesis import strategies as st
 
 from plait.config import ConfigError
-from plait.hf.qwen_next import QWEN_HYBRIDS
+from plait.hf.hybrid import HYBRIDS, QWEN_HYBRIDS
 from plait.hf.rope_fields import LAYERED
 from plait.proof.fuzz import Counterexample, Generator
 
@@ -101,7 +101,7 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
         config |= {"num_key_value_heads": draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0])),
                    "head_dim": head_dim}
     groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]))
-    kinds = ["linear_attention" if family in QWEN_HYBRIDS else "sliding_attention", "full_attention"]
+    kinds = ["linear_attention" if family in HYBRIDS else "sliding_attention", "full_attention"]
     layer_list = st.lists(st.sampled_from(kinds), min_size=layers, max_size=layers)
     legal = {
         "num_key_value_heads": st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]),
@@ -134,7 +134,8 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
         "floor_scale": st.sampled_from([4, 16, 8192]), "attention_chunk_size": st.sampled_from([64, 8192]),
         "linear_conv_kernel_dim": st.integers(2, 4), "linear_key_head_dim": st.sampled_from([8, 16]),
         "linear_value_head_dim": st.sampled_from([8, 16]), "linear_num_key_heads": st.sampled_from([1, 2]),
-        "linear_num_value_heads": st.sampled_from([2, 4]),
+        "linear_num_value_heads": st.sampled_from([2, 4]), "linear_allow_neg_eigval": st.booleans(),
+        "linear_a_log_min": st.sampled_from([0.0, 1.0]), "linear_dt_min": st.sampled_from([0.001, 0.01]),
     }
     nullable = nullable_fields(family)
     for name in class_fields(family):

@@ -1,14 +1,26 @@
-"""Qwen3-Next's config.json and weights (`qwen3_next`: Qwen3-Next-80B-A3B) <-> plait's: linear-
-attention blocks (the gated delta rule) among gated full-attention ones, by `layer_types` (else
-every `full_attention_interval`-th block full), zero-centred norms, a per-head q/k norm, RoPE on
-the first quarter of each head (`partial_rotary_factor`), and experts whose shared expert is gated
-(or a dense feed-forward where `num_experts` is 0 or `mlp_only_layers` says).
+"""The linear-attention hybrids' config.json and weights <-> plait's: blocks that mix tokens by
+the gated delta rule (plait/models/linear_attention.py) among full-attention ones, by
+`layer_types`.
 
-Some of its tensors hold several of plait's, which keeps them apart (tensor parallelism splits
-each by heads): a linear block's in_proj_qkvz holds q, k, v and the output gate z, and in_proj_ba
-the step b and the gate a, each by key head (a key head's q, k, then its value heads' v and z);
+- Qwen3-Next (`qwen3_next`: Qwen3-Next-80B-A3B) and Qwen3.5's language models (`qwen3_5_text`,
+  dense; `qwen3_5_moe_text`, experts in every block): else every `full_attention_interval`-th
+  block full; an output gate on attention, zero-centred norms, a per-head q/k norm, RoPE on the
+  first quarter of each head (`partial_rotary_factor`), experts whose shared expert is gated
+  (Qwen3-Next: or a dense feed-forward where `num_experts` is 0 or `mlp_only_layers` says).
+  Qwen3.5's multimodal RoPE (`mrope_section`) rotates a text's positions as plain RoPE does: its
+  three position axes are one.
+- OLMo hybrid (`olmo_hybrid`: Olmo-Hybrid-7B): else every fourth block full (the last, where
+  that leaves none); OLMo 3's attention blocks (norms after each sub-layer, q/k norms over the
+  projection; no RoPE where rope_theta is null, as in the released folders), linear blocks that
+  norm their inputs, the step b doubled (`linear_allow_neg_eigval`), the output norm's eps 1e-5,
+  Mamba's initialisation of the gates (`linear_a_log_*`, `linear_dt_*`).
+
+Some of their tensors hold several of plait's, which plait keeps apart (tensor parallelism splits
+each by heads). Qwen3-Next's linear block: in_proj_qkvz holds q, k, v and the output gate z, and
+in_proj_ba the step b and the gate a, each by key head (a key head's q, k, then its value heads'
+v and z). Qwen3.5's: in_proj_qkv holds every head's q, then k, then v (z, b and a apart). Both:
 conv1d holds the convolution of q, k and v one after the other; a full block's q_proj holds each
-head's query and then its output gate.
+head's query and then its output gate. OLMo hybrid's conv1d is three tensors on disk (`on_disk`).
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ from plait.models.args import ModelArgs
 # The Qwen hybrids' model types, and their switches: their config.json cannot turn them off
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": True}
+HYBRIDS = (*QWEN_HYBRIDS, "olmo_hybrid")
+LINEAR_TYPES = "a list of full_attention and linear_attention"
 
 
 def qwen_hybrid_switches(fields: Fields, family: str, n_layers: int) -> dict:
@@ -31,7 +45,7 @@ def qwen_hybrid_switches(fields: Fields, family: str, n_layers: int) -> dict:
         interval = fields.integer("full_attention_interval") if fields.has("full_attention_interval") else 4
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
     if not set(types) <= {"full_attention", "linear_attention"}:
-        fields.refuse("layer_types", "a list of full_attention and linear_attention")
+        fields.refuse("layer_types", LINEAR_TYPES)
     key_heads, value_heads = fields.integer("linear_num_key_heads"), fields.integer("linear_num_value_heads")
     if value_heads % key_heads:
         fields.refuse("linear_num_value_heads", f"a multiple of linear_num_key_heads {key_heads}")
@@ -61,6 +75,68 @@ def qwen_hybrid_switches(fields: Fields, family: str, n_layers: int) -> dict:
                        "shared_expert_gate": True,
                        "dense_layers": tuple(i for i in range(n_layers) if i in dense or (i + 1) % step)} | (
         {"ffn_hidden": hidden} if family == "qwen3_5_moe_text" else {})
+
+
+# OLMo hybrid's switches: its config.json cannot turn them off (post_norm: in its attention blocks;
+# a linear block norms its inputs whatever post_norm says)
+OLMO_HYBRID = {"qk_norm": "projection", "post_norm": True, "linear_norm_eps": 1e-5}
+
+
+def rope_off(config: dict) -> bool:
+    """Whether transformers' OLMo hybrid builds no RoPE: a RoPE base of null (the released folders')."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    theta = rope["rope_theta"] if isinstance(rope, dict) and "rope_theta" in rope else config.get("rope_theta", 0)
+    return theta is None
+
+
+def olmo_hybrid_switches(fields: Fields, n_layers: int) -> dict:
+    """The ModelArgs switches of an olmo_hybrid config.json (heads and sizes left out as its config
+    class derives them: the attention heads; 0.75 x hidden_size a key head; values twice as wide)."""
+    dim, heads = fields.integer("hidden_size", required=True), fields.integer("num_attention_heads", required=True)
+    types = fields.texts("layer_types", n_layers)
+    if types is None:
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n_layers)]
+        types[-1] = types[-1] if "full_attention" in types else "full_attention"
+    if set(types) != {"full_attention", "linear_attention"}:  # (transformers' class refuses a kind missing)
+        fields.refuse("layer_types", LINEAR_TYPES + ", each at least once")
+    key_heads = fields.integer("linear_num_key_heads") or heads
+    value_heads = fields.integer("linear_num_value_heads") or heads
+    if value_heads % key_heads:
+        fields.refuse("linear_num_value_heads", f"a multiple of linear_num_key_heads {key_heads}")
+    key_dim = fields.integer("linear_key_head_dim") or int(0.75 * dim / key_heads)
+    full = tuple(i for i, kind in enumerate(types) if kind == "full_attention")
+    return OLMO_HYBRID | {
+        "linear_layers": tuple(i for i in range(n_layers) if i not in full), "linear_key_heads": key_heads,
+        "linear_value_heads": value_heads, "linear_key_dim": key_dim,
+        "linear_value_dim": fields.integer("linear_value_head_dim") or 2 * key_dim,
+        "linear_conv": fields.integer("linear_conv_kernel_dim"),
+        "linear_negative_eigenvalues": bool(fields.flag("linear_allow_neg_eigval")),
+        "linear_a_init": (fields.number("linear_a_log_min"), fields.number("linear_a_log_max")),
+        "linear_dt_init": tuple(fields.number(f"linear_dt_{name}") for name in ("min", "max", "init_floor")),
+        "nope_layers": full if rope_off(fields.config) else ()}
+
+
+def olmo_hybrid_fields(args: ModelArgs) -> dict:
+    """config.json's OLMo hybrid fields for `args`, refused in one line where it is not OLMo hybrid's model."""
+    full = tuple(i for i in range(args.n_layers) if not args.linear(i))
+    if not (args.linear_layers and full and all(getattr(args, k) == v for k, v in OLMO_HYBRID.items())
+            and args.nope_layers in ((), full) and len(args.linear_dt_init) == 3 and not args.n_experts
+            and args.qkv_bias == args.out_bias and not args.kv_lora_rank
+            and not (args.sliding_window or args.sandwich_norm or args.attention_sinks or args.attention_gate
+                     or args.zero_centered_norms or args.ffn_bias)):
+        raise ConfigError("checkpoint: an olmo_hybrid config.json has linear-attention blocks among full-attention "
+                          "ones (each kind at least once) with OLMo 3's norms, no RoPE or RoPE in every attention "
+                          "block, Mamba's gate initialisation, and no experts, windows, sinks, gates or MLP biases; "
+                          "this model differs")
+    dt_min, dt_max, floor = args.linear_dt_init
+    rope = {"rope_theta": None, "rope_scaling": None} if args.nope_layers else {}  # (null: no RoPE)
+    return rope | {
+        "layer_types": ["linear_attention" if args.linear(i) else "full_attention" for i in range(args.n_layers)],
+        "linear_num_key_heads": args.linear_key_heads, "linear_num_value_heads": args.linear_value_heads,
+        "linear_key_head_dim": args.linear_key_dim, "linear_value_head_dim": args.linear_value_dim,
+        "linear_conv_kernel_dim": args.linear_conv, "linear_allow_neg_eigval": args.linear_negative_eigenvalues,
+        "linear_a_log_min": args.linear_a_init[0], "linear_a_log_max": args.linear_a_init[1],
+        "linear_dt_min": dt_min, "linear_dt_max": dt_max, "linear_dt_init_floor": floor}
 
 
 MROPE = ("mrope_section", "mrope_interleaved")
@@ -105,7 +181,7 @@ def qwen_hybrid_fields(args: ModelArgs) -> dict:
               "linear_conv_kernel_dim": args.linear_conv, "attention_bias": args.qkv_bias,
               "partial_rotary_factor": args.rope_dim / args.head_dim}
     if args.family == "qwen3_5_moe_text":  # (its config class has no intermediate_size, sparse step or norm_topk_prob)
-        return fields | {"intermediate_size": None, "num_experts": args.n_experts, "num_experts_per_tok": args.top_k,
+        return fields | {"num_experts": args.n_experts, "num_experts_per_tok": args.top_k,
                          "moe_intermediate_size": args.moe_hidden,
                          "shared_expert_intermediate_size": args.moe_hidden * args.n_shared_experts}
     if args.family == "qwen3_next":
@@ -127,6 +203,8 @@ def fused_tensors(args: ModelArgs, block: int) -> dict[str, tuple[tuple[str, ...
         values = args.linear_value_heads * dv
         conv = {"linear_attn.conv1d.weight": (("attention.conv_q", "attention.conv_k", "attention.conv_v"),
                                               (keys, keys, values), 1)}
+        if args.family == "olmo_hybrid":  # (its projections are one each)
+            return conv
         if args.family != "qwen3_next":  # (Qwen3.5: q, k and v apart from z, b and a, whole heads one after the other)
             qkv = tuple(f"attention.w{kind}.weight" for kind in "qkv")
             return {"linear_attn.in_proj_qkv.weight": (qkv, (keys, keys, values), 1)} | conv
@@ -138,6 +216,15 @@ def fused_tensors(args: ModelArgs, block: int) -> dict[str, tuple[tuple[str, ...
         return {"self_attn.q_proj.weight": (("attention.wq.weight", "attention.wg.weight"),
                                             (args.head_dim, args.head_dim), args.n_heads)}
     return {}
+
+
+def on_disk(args: ModelArgs, whole: str) -> list[str]:
+    """The tensors on disk of one that holds several of plait's: itself; but OLMo hybrid's convolution,
+    stored as q's, k's and v's, which transformers concatenates when it reads them, whatever each
+    holds (its own saves cut the whole in thirds)."""
+    if args.family == "olmo_hybrid" and whole.endswith("linear_attn.conv1d.weight"):
+        return [whole.replace("conv1d", f"{kind}_conv1d") for kind in "qkv"]
+    return [whole]
 
 
 def fused_part(tensor: torch.Tensor, name: str, parts: tuple[str, ...], rows: tuple[int, ...], groups: int
@@ -162,6 +249,15 @@ LINEAR_NAMES = {"attention.A_log": "linear_attn.A_log", "attention.dt_bias": "li
                 "attention.wz.weight": "linear_attn.in_proj_z.weight",
                 "attention.wb.weight": "linear_attn.in_proj_b.weight",
                 "attention.wa.weight": "linear_attn.in_proj_a.weight"}
+# OLMo hybrid's, on disk: a linear block's (it norms its inputs), an attention block's norms (after
+# each sub-layer: transformers names its norm after attention feedforward_layer_norm on disk)
+OLMO_LINEAR_NAMES = {f"attention.w{ours}.weight": f"linear_attn.{theirs}_proj.weight"
+                     for ours, theirs in zip("qkvzbao", "qkvgbao")} | {
+    "attention.A_log": "linear_attn.A_log", "attention.dt_bias": "linear_attn.dt_bias",
+    "attention.out_norm.weight": "linear_attn.o_norm.weight", "attention_norm.weight": "attention_layer_norm.weight",
+    "ffn_norm.weight": "feedforward_layer_norm.weight"}
+OLMO_ATTENTION_NAMES = {"attention_norm.weight": "feedforward_layer_norm.weight",
+                        "ffn_norm.weight": "post_feedforward_layernorm.weight"}
 SHARED_EXPERT = {"feed_forward.shared.w1": "mlp.shared_expert.gate_proj", "feed_forward.shared.w3":
                  "mlp.shared_expert.up_proj", "feed_forward.shared.w2": "mlp.shared_expert.down_proj",
                  "feed_forward.shared_gate": "mlp.shared_expert_gate"}
@@ -173,12 +269,14 @@ def holder(args: ModelArgs, block: int, rest: str) -> tuple[str, tuple[str, ...]
     return next(((held, *fused) for held, fused in fused_tensors(args, block).items() if rest in fused[0]), None)
 
 
-def qwen_hybrid_name(args: ModelArgs, block: int, rest: str) -> str | None:
-    """The name in the block on disk of plait's `rest` of block `block`, where the Qwen hybrid names it
+def hybrid_name(args: ModelArgs, block: int, rest: str) -> str | None:
+    """The name in the block on disk of plait's `rest` of block `block`, where the hybrid names it
     its own way (None: as Llama's relatives do)."""
     held = holder(args, block, rest)
     if held is not None:
         return held[0]
+    if args.family == "olmo_hybrid":
+        return (OLMO_LINEAR_NAMES if args.linear(block) else OLMO_ATTENTION_NAMES).get(rest)
     if args.linear(block) and rest in LINEAR_NAMES:
         return LINEAR_NAMES[rest]
     module, kind = rest.rsplit(".", 1)
