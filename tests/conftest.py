@@ -30,13 +30,35 @@ BF16 = ["--training.mixed_precision_param", "bfloat16"]
 
 
 # Tables a test wants in CI's output even when it passes (pytest -q hides passing tests' prints).
+# A test's tables travel with its report (from the pytest-xdist worker that ran it) to SHOWN.
 REPORTS: dict[str, str] = {}
+SHOWN: dict[str, str] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    while REPORTS:
+        report.user_properties.append(("plait-report", REPORTS.popitem()))
+
+
+def pytest_runtest_logreport(report):
+    SHOWN.update(value for name, value in report.user_properties if name == "plait-report")
 
 
 def pytest_terminal_summary(terminalreporter):
-    for title, text in REPORTS.items():
+    for title, text in SHOWN.items():
         terminalreporter.write_sep("-", title)
         terminalreporter.write_line(text)
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the suite's default): the tests that read the
+    shared runs (`train_once`) in one worker, which trains each run once for all of them; every
+    other test file in one worker (its module fixtures made once)."""
+    for item in items:
+        shared = "train_once" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("shared-runs" if shared else item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session", autouse=True)
