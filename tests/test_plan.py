@@ -28,7 +28,7 @@ PARTLY = {
     # A linear-attention block's saved activations are counted from its code, not yet tensor by tensor
     # as the probe sees them: predicted 7% over the measured (4.54 MB for 4.24, debug_hybrid fp32).
     **{name: {"state", "comm"} for name, (_, args) in LAYOUTS.items()
-       if {"debug_hybrid", "debug_hybrid_moe"} & set(args)},
+       if {"debug_hybrid", "debug_hybrid_moe", "debug_olmo_hybrid"} & set(args)},
     # SimpleFSDP gathers parameter by parameter and reshards by recomputing its blocks, which
     # plan does not model: it plans fully_shard (the default backend), which holds the same state.
     "simple_fsdp": {"state"}, "simple_hsdp_w4": {"state"}, "simple_fsdp_tp": {"state"}, "simple_fsdp_tied": {"state"},
