@@ -80,7 +80,8 @@ OLMO3_REORDERED = 2e-6
 # output then its zero-state output plus its read of the incoming state: other sums, measured 4.8e-7
 # (over 20 steps at 3e-3, by hand: 9.5e-7 CP2, 4.8e-7 CP4, CP2 causal and Ulysses CP2). OLMo hybrid
 # under CP2 and FSDP2 at world 4 (its variant changes no sum the layouts split): measured 4.8e-7.
-FAMILIES = {("cp_fsdp2_olmo_hybrid", "fp32"): FP32_REORDERED,("fsdp2_hybrid", "fp32"): BITWISE, ("pp_hybrid", "fp32"): BITWISE, ("cp2_hybrid", "fp32"): FP32_REORDERED,
+FAMILIES = {("cp_fsdp2_olmo_hybrid", "fp32"): FP32_REORDERED,
+            ("fsdp2_hybrid", "fp32"): BITWISE, ("pp_hybrid", "fp32"): BITWISE, ("cp2_hybrid", "fp32"): FP32_REORDERED,
             ("tp_hybrid", "fp32"): FP32_REORDERED, ("tp_hybrid", "bf16"): BF16_REORDERED,
             ("ep2_hybrid_moe", "fp32"): FP32_REORDERED,
             ("fsdp2_qwen3_tied", "fp32"): BITWISE, ("fsdp2_qwen3_tied", "bf16"): BITWISE,
