@@ -31,6 +31,13 @@ CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", 
                "--training.mixed_precision_mode", "autocast"]
 
 
+# The layouts whose compiled runs evaluate too (after steps 3 and 6: the evaluation's graphs are
+# compiled once, at step 3's, none at step 6's), each its own evaluation path: one device, the
+# pipeline's, TP's (the loss over vocabulary shards), CP's. Under FSDP2 and DDP an evaluation is
+# the one device's forward: compiling its graphs cost a third of a row's time, cold.
+EVALUATED = ("single", "pp", "tp", "cp")
+
+
 @pytest.mark.parametrize("layout, precision, mode, tolerance", [
     ("single", [], [], 1e-6),  # measured: bitwise equal
     ("fsdp2", BF16, [], 2e-3),  # measured 4.6e-4 (6.1e-4 single device)
@@ -58,9 +65,9 @@ def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mo
     eager, _ = layout_run(train_once, layout, precision, mode)  # shared with the parity tests
     world, args = LAYOUTS[layout]
     (tmp_path / "val.txt").write_text(validation_text())  # (evaluations after steps 3 and 6, as the eager run's)
-    compiled, _ = run_plait(tmp_path, *STEPS, *args, *precision, *mode, *VALIDATE, "--data.val_path",
-                            str(tmp_path / "val.txt"), "--compile.enable", "--compile.report",
-                            str(tmp_path / "compiled.json"), nproc=world)
+    validate = [*VALIDATE, "--data.val_path", str(tmp_path / "val.txt")] if layout in EVALUATED else []
+    compiled, _ = run_plait(tmp_path, *STEPS, *args, *precision, *mode, *validate, "--compile.enable",
+                            "--compile.report", str(tmp_path / "compiled.json"), nproc=world)
     diff = max_abs_diff(losses(eager), losses(compiled))
     print(f"\ncompiled vs eager, {layout} {' '.join(precision + mode) or 'fp32'}: max |loss diff| {diff:.2e}")
     assert diff <= tolerance
@@ -70,7 +77,7 @@ def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mo
         report = json.loads((tmp_path / f"compiled.rank{rank}.json").read_text())
         assert report["graph_breaks"] == [], report
         assert report["recompiles_after_step_2"] == [], report
-        assert {graph["step"] for graph in report["evaluation_graphs"]} == {3}, report  # (none at step 6's)
+        assert {graph["step"] for graph in report["evaluation_graphs"]} == ({3} if validate else set()), report
 
 
 def _compiled_autograd_ddp(rank, world, store_path, results):
