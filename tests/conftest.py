@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,19 +55,31 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(text)
 
 
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's own hook, which reads the groups)
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the suite's default): the tests that read the
-    shared runs (`train_once`) in one worker, which trains each run once for all of them; every
-    other test file in one worker (its module fixtures made once)."""
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the suite's default): the tests of a file that
+    share a module fixture in one worker, which makes it once; every other test wherever a worker
+    is free. (The shared runs, `train_once`, are shared between the workers on disk.)"""
     for item in items:
-        shared = "train_once" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("shared-runs" if shared else item.nodeid.split("::")[0]))
+        info = getattr(item, "_fixtureinfo", None)
+        scopes = {fixture.scope for defs in info.name2fixturedefs.values() for fixture in defs} if info else set()
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def session_folder(tmp_path_factory) -> Path:
+    """A folder of this test session that every pytest-xdist worker sees: the workers' base
+    folders (popen-gw0, ...) share their parent, which a run of one process does not."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session", autouse=True)
 def plait_cache(tmp_path_factory):
-    """One tokenizer/token cache for the whole session, isolated from the user's."""
-    cache = tmp_path_factory.mktemp("plait-cache")
+    """One tokenizer/token cache for the whole session (its workers too: plait locks what it
+    writes there), isolated from the user's."""
+    cache = session_folder(tmp_path_factory) / "plait-cache"
+    cache.mkdir(exist_ok=True)
     os.environ["PLAIT_CACHE"] = str(cache)
     return cache
 
@@ -465,24 +480,35 @@ VALIDATE = ["--training.eval_interval", "3", "--training.eval_steps", "1", "--ev
 @pytest.fixture(scope="session")
 def train_once(tmp_path_factory):
     """`train_once(world, *args)` -> (metric rows, step-1 probe records). Each distinct run
-    happens once per test session however many tests read it, with the probe on (step 1), the
-    profiler on (step 2: `train_once.traces[(world, args)]` is its folder; it costs ~1%) and
-    the validation loss measured (VALIDATE)."""
-    cache = {}
-    val = tmp_path_factory.mktemp("val") / "val.txt"
-    val.write_text(validation_text())
+    happens once per test session however many tests (in whichever worker) read it, with the
+    probe on (step 1), the profiler on (step 2: `train_once.traces[(world, args)]` is its folder;
+    it costs ~1%) and the validation loss measured (VALIDATE). A run's folder is named by its
+    options in a folder all workers share; the first worker to need it trains it under the
+    folder's lock while a second one waits for the lock, then reads what the first wrote."""
+    runs = session_folder(tmp_path_factory) / "shared-runs"
+    runs.mkdir(exist_ok=True)
+    val = runs / "val.txt"
+    with open(runs / "val.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not val.exists():
+            val.write_text(validation_text())
 
     def train(world: int, *args: str):
         key = (world, args)
-        if key not in cache:
-            tmp = tmp_path_factory.mktemp("run")
-            validate = [] if "zbv" in args else [*VALIDATE, "--data.val_path", str(val)]
-            rows, _ = run_plait(tmp, *args, *validate, "--debug.dtype_probe", str(tmp / "probe.json"),
-                                "--profiling.enable", "--profiling.steps", "1", "--profiling.folder", str(tmp / "trace"),
-                                nproc=world)
-            cache[key] = rows, json.loads((tmp / "probe.json").read_text())
-            train.traces[key] = tmp / "trace"
-        return cache[key]
+        tmp = runs / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+        with open(f"{tmp}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (tmp / "done").exists():
+                shutil.rmtree(tmp, ignore_errors=True)  # (what a failed try left)
+                tmp.mkdir()
+                validate = [] if "zbv" in args else [*VALIDATE, "--data.val_path", str(val)]
+                run_plait(tmp, *args, *validate, "--debug.dtype_probe", str(tmp / "probe.json"), "--profiling.enable",
+                          "--profiling.steps", "1", "--profiling.folder", str(tmp / "trace"), nproc=world,
+                          metrics=tmp / "metrics.jsonl")
+                (tmp / "done").touch()
+        train.traces[key] = tmp / "trace"
+        rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
+        return rows, json.loads((tmp / "probe.json").read_text())
 
     train.traces = {}
     return train
