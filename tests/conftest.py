@@ -472,9 +472,18 @@ def validation_text() -> str:
     return "\n\n".join([argparse.__doc__, json_module.__doc__, unittest.__doc__])
 
 
-# Validation in every shared run: 1 batch after steps 3 and 6, and the bundled task's first 4
-# examples (16 requests) scored with them (torch 2.13's zbv cannot evaluate).
-VALIDATE = ["--training.eval_interval", "3", "--training.eval_steps", "1", "--eval.interval", "3", "--eval.limit", "4"]
+# Validation in every shared run: 1 batch after steps 3 and 6 (torch 2.13's zbv cannot evaluate),
+# and (TASK) the bundled task's first 4 examples (16 requests) scored with them in the runs of
+# debug's own model (no flavor, float8 or optimizer of its own): the task's path through each
+# layout is the layout's (data parallelism's, TP's vocabulary shards, a pipeline's padded
+# batches, CP's), not the model's or the recipe's. (The task's first scoring costs a quarter of a
+# small run: each request length a new shape for DTensor's sharding rules.)
+VALIDATE = ["--training.eval_interval", "3", "--training.eval_steps", "1"]
+TASK = ["--eval.interval", "3", "--eval.limit", "4"]
+
+
+def scores_the_task(args) -> bool:
+    return not any(option in args for option in ("--model.flavor", "--training.float8", "--optimizer.name"))
 
 
 @pytest.fixture(scope="session")
@@ -482,7 +491,7 @@ def train_once(tmp_path_factory):
     """`train_once(world, *args)` -> (metric rows, step-1 probe records). Each distinct run
     happens once per test session however many tests (in whichever worker) read it, with the
     probe on (step 1), the profiler on (step 2: `train_once.traces[(world, args)]` is its folder;
-    it costs ~1%) and the validation loss measured (VALIDATE). A run's folder is named by its
+    it costs ~1%) and the validation loss measured (VALIDATE; the task too where TASK says). A run's folder is named by its
     options in a folder all workers share; the first worker to need it trains it under the
     folder's lock while a second one waits for the lock, then reads what the first wrote."""
     runs = session_folder(tmp_path_factory) / "shared-runs"
@@ -501,7 +510,7 @@ def train_once(tmp_path_factory):
             if not (tmp / "done").exists():
                 shutil.rmtree(tmp, ignore_errors=True)  # (what a failed try left)
                 tmp.mkdir()
-                validate = [] if "zbv" in args else [*VALIDATE, "--data.val_path", str(val)]
+                validate = [] if "zbv" in args else [*VALIDATE, *TASK * scores_the_task(args), "--data.val_path", str(val)]
                 run_plait(tmp, *args, *validate, "--debug.dtype_probe", str(tmp / "probe.json"), "--profiling.enable",
                           "--profiling.steps", "1", "--profiling.folder", str(tmp / "trace"), nproc=world,
                           metrics=tmp / "metrics.jsonl")

@@ -8,7 +8,8 @@ pytest's summary, so a reviewer (and CI's log) sees the measured numbers, not ju
 
 import pytest
 
-from conftest import AUTOCAST, BF16, LAYOUTS, REFERENCE, REPORTS, eval_scores, layout_run, losses, val_losses
+from conftest import (AUTOCAST, BF16, LAYOUTS, REFERENCE, REPORTS, eval_scores, layout_run, losses,
+                      scores_the_task, val_losses)
 
 pytestmark = pytest.mark.slow
 
@@ -271,8 +272,9 @@ def mode(name: str, precision: str) -> list[str]:
 def matrix(train_once):
     """(layout, world, precision, max loss difference, tolerance, ...) per row. The difference
     is over the 6 training losses, the 2 validation losses (after steps 3 and 6; none under zbv)
-    and the bundled task's gold_loss at those steps (plait/evals: its 4 examples' gold choices'
-    loss per token, scored in the layout's own batches): each is a forward of the same weights,
+    and the bundled task's gold_loss at those steps in the rows of debug's own model (conftest's
+    TASK; plait/evals: its 4 examples' gold choices' loss per token, scored in the layout's own
+    batches): each is a forward of the same weights,
     so the same tolerance bounds it (a pipeline's scores: PADDED). The task's acc (an argmax of
     those scores) must be equal."""
     table = []
@@ -285,7 +287,8 @@ def matrix(train_once):
         diff = max(abs(a - b) for a, b in zip(losses(measured), losses(reference)))
         val_diff = max((abs(a - b) for a, b in zip(val_losses(measured), val_losses(reference))), default=None)
         scored, expected = eval_scores(measured), eval_scores(reference)
-        assert (len(scored), len(expected)) == (expected_val, 2), (name, precision)
+        task = scores_the_task(LAYOUTS[name][1])
+        assert (len(scored), len(expected)) == (expected_val * task, 2 * task), (name, precision)
         eval_diff = max((abs(a[0] - b[0]) for a, b in zip(scored, expected)), default=None)
         eval_tolerance = max(tolerance, PADDED[precision]) if name.startswith("pp") else tolerance
         ok = (max(diff, val_diff or 0) <= tolerance and (eval_diff or 0) <= eval_tolerance

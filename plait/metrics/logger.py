@@ -15,7 +15,6 @@ from plait.cache import cache_dir
 from plait.hardware import Peak
 from plait.jsonl import lines as jsonl_lines
 from plait.metrics import summary as run_summary
-from plait.metrics.tensorboard_events import drop_events_after
 
 
 class Utilisation:
@@ -96,8 +95,10 @@ class MetricsLogger:
             storage.write_atomically(path, "".join(line + "\n" for line in kept))
             self.jsonl = open(path, "a")
         self.writer = None
-        if tensorboard:
+        if tensorboard:  # (imported here: tensorboard's import costs every other run ~0.3 s of start-up)
             from torch.utils.tensorboard import SummaryWriter
+
+            from plait.metrics.tensorboard_events import drop_events_after
 
             drop_events_after(tensorboard, resumed_step)
             # purge_step: a TensorBoard already showing the folder forgets the steps dropped from it
