@@ -491,9 +491,10 @@ def train_once(tmp_path_factory):
     """`train_once(world, *args)` -> (metric rows, step-1 probe records). Each distinct run
     happens once per test session however many tests (in whichever worker) read it, with the
     probe on (step 1), the profiler on (step 2: `train_once.traces[(world, args)]` is its folder;
-    it costs ~1%) and the validation loss measured (VALIDATE; the task too where TASK says). A run's folder is named by its
-    options in a folder all workers share; the first worker to need it trains it under the
-    folder's lock while a second one waits for the lock, then reads what the first wrote."""
+    it costs ~1%) and the validation loss measured (VALIDATE; the task too where TASK says). A
+    run's folder is named by its options in a folder all workers share; the first worker to need
+    it trains it under the folder's lock while a second one waits for the lock, then reads what
+    the first wrote."""
     runs = session_folder(tmp_path_factory) / "shared-runs"
     runs.mkdir(exist_ok=True)
     val = runs / "val.txt"
@@ -510,7 +511,8 @@ def train_once(tmp_path_factory):
             if not (tmp / "done").exists():
                 shutil.rmtree(tmp, ignore_errors=True)  # (what a failed try left)
                 tmp.mkdir()
-                validate = [] if "zbv" in args else [*VALIDATE, *TASK * scores_the_task(args), "--data.val_path", str(val)]
+                task = TASK if scores_the_task(args) else []
+                validate = [] if "zbv" in args else [*VALIDATE, *task, "--data.val_path", str(val)]
                 run_plait(tmp, *args, *validate, "--debug.dtype_probe", str(tmp / "probe.json"), "--profiling.enable",
                           "--profiling.steps", "1", "--profiling.folder", str(tmp / "trace"), nproc=world,
                           metrics=tmp / "metrics.jsonl")
