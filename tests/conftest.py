@@ -486,6 +486,15 @@ def scores_the_task(args) -> bool:
     return not any(option in args for option in ("--model.flavor", "--training.float8", "--optimizer.name"))
 
 
+@contextlib.contextmanager
+def held(lock: Path):
+    """An exclusive lock on the file `lock` (made if missing), for as long as the block runs: the
+    other workers' `held` of it waits (the OS lets go of it if this process dies)."""
+    with open(lock, "w") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def train_once(tmp_path_factory):
     """`train_once(world, *args)` -> (metric rows, step-1 probe records). Each distinct run
@@ -498,16 +507,14 @@ def train_once(tmp_path_factory):
     runs = session_folder(tmp_path_factory) / "shared-runs"
     runs.mkdir(exist_ok=True)
     val = runs / "val.txt"
-    with open(runs / "val.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with held(runs / "val.lock"):
         if not val.exists():
             val.write_text(validation_text())
 
     def train(world: int, *args: str):
         key = (world, args)
         tmp = runs / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-        with open(f"{tmp}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with held(Path(f"{tmp}.lock")):
             if not (tmp / "done").exists():
                 shutil.rmtree(tmp, ignore_errors=True)  # (what a failed try left)
                 tmp.mkdir()

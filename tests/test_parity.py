@@ -274,9 +274,8 @@ def matrix(train_once):
     is over the 6 training losses, the 2 validation losses (after steps 3 and 6; none under zbv)
     and the bundled task's gold_loss at those steps in the rows of debug's own model (conftest's
     TASK; plait/evals: its 4 examples' gold choices' loss per token, scored in the layout's own
-    batches): each is a forward of the same weights,
-    so the same tolerance bounds it (a pipeline's scores: PADDED). The task's acc (an argmax of
-    those scores) must be equal."""
+    batches): each is a forward of the same weights, so the same tolerance bounds it (a
+    pipeline's scores: PADDED). The task's acc (an argmax of those scores) must be equal."""
     table = []
     for (name, precision), tolerance in TOLERANCE.items():
         reference = layout_run(train_once, REFERENCE[name], PRECISIONS[precision], mode(name, precision))[0]
