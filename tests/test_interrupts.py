@@ -6,10 +6,12 @@ for a time: a busy machine makes them slower, not different (a timeout is a hang
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import suppress
 from pathlib import Path
 
@@ -26,15 +28,6 @@ INJECT = ROOT / "tests" / "inject"
 # 30 s after the signal: a cluster's grace period, not what is tested here): only plait ends them.
 AGENT = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(100 * HANG)}
 TORCHRUN_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # torchrun's agent's own lines
-
-
-def started(pid: int) -> str | None:
-    """When process `pid` started (None: it has ended): with the pid, names one process for good."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if stat[0] == "Z" else stat[19]  # (a zombie has exited)
 
 
 def as_in_a_terminal() -> None:
@@ -61,7 +54,9 @@ class Job:
         self.more = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        self.everyone: dict[int, str] = {}  # pid: start time, of every process of the job seen
+        # pid: a pidfd, of every process of the job seen. A pidfd names the process itself, never one
+        # that reuses its pid, and polls readable once it has ended (exited: a zombie counts).
+        self.processes: dict[int, int] = {}
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -84,12 +79,16 @@ class Job:
 
     def see(self) -> None:
         for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-            if pid not in self.everyone and (start := started(pid)):
-                self.everyone[pid] = start
+            if pid not in self.processes:
+                with suppress(ProcessLookupError):
+                    self.processes[pid] = os.pidfd_open(pid)
 
-    def alive(self) -> list[int]:
-        """Those of the job's processes seen that are still running (not another one with a reused pid)."""
-        return [pid for pid, start in self.everyone.items() if started(pid) == start]
+    def alive(self, within: float = 0) -> list[int]:
+        """Those of the job's processes seen that are still running, each waited for up to `within` s
+        (an exiting process closes its files, the output's pipe among them, before it has ended)."""
+        deadline = time.monotonic() + within
+        return [pid for pid, fd in self.processes.items()
+                if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]]
 
     def end(self) -> tuple[int | None, list[int]]:
         """(the exit code, None if it hung; the job's processes still running when it returned);
@@ -102,9 +101,12 @@ class Job:
         left = self.alive()
         for pid in left:  # orphans are in sessions of their own: one by one
             with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                signal.pidfd_send_signal(self.processes[pid], signal.SIGKILL)
         self.proc.wait()
         self.reader.join(HANG)  # the last lines: the pipe ends when the last process holding it has
+        for fd in self.processes.values():
+            os.close(fd)
+        self.processes.clear()
         return code, left
 
     @property
@@ -168,7 +170,8 @@ def test_a_sigkill_to_the_launcher_s_process_group_ends_the_whole_job(tmp_path):
         os.killpg(job.proc.pid, signal.SIGKILL)
         job.proc.wait()
         job.reader.join(HANG)
-        assert job.ended and job.alive() == [], f"left running: {job.alive()}\n{job.output[-3000:]}"
+        left = job.alive(within=HANG)
+        assert job.ended and left == [], f"left running: {left}\n{job.output[-3000:]}"
     finally:
         job.end()
 
