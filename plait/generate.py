@@ -126,9 +126,9 @@ def main(argv: list[str]) -> int:
     # An empty prompt (with a tokenizer that adds no start token) samples the model unconditionally:
     # from the end-of-text token, after which every document of training began.
     prompt = tokenizer.encode(opts.prompt).ids or [eos]
-    if len(prompt) + opts.max_new_tokens > model.args.sequence_limit:  # (Llama 4's: one attention chunk)
+    if len(prompt) + opts.max_new_tokens > model.args.max_seq_len:
         raise ConfigError(f"max_new_tokens: the prompt's {len(prompt)} tokens + {opts.max_new_tokens} exceed the "
-                          f"model's {model.args.sequence_limit} positions")
+                          f"model's {model.args.max_seq_len} positions")
     print(opts.prompt, end="", flush=True)
     new, shown, start = [], "", time.perf_counter()
     prompt_length = len(tokenizer.decode(prompt))

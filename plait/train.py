@@ -165,10 +165,6 @@ def run(cfg: JobConfig) -> list[dict]:
         raise ConfigError(str(e)) from None
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's {args.max_seq_len}")
-    if cfg.training.seq_len > args.sequence_limit:
-        raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's attention chunk of "
-                          f"{args.attention_chunk} positions (Llama 4), into which plait does not split sequences; "
-                          f"allowed: up to {args.attention_chunk}")
     check_divisibility(args, cfg)
     check_heads(args, cfg)
     check_experts(args, cfg)
@@ -207,7 +203,7 @@ def open_batches(cfg: JobConfig, args, corpus, mesh, dp_mesh, loss_mesh, loss_se
     t, cp = cfg.training, cfg.parallelism.cp
     layout = BatchLayout(cfg.model.attention_mask, attention_kernel(cfg), eos_id(corpus.tokenizer),
                          mesh["cp"].get_local_rank(), cp, cfg.parallelism.cp_kind == "ulysses",
-                         args.windows, predicts_further=bool(args.mtp_layers))
+                         args.spans, predicts_further=bool(args.mtp_layers))
     shape = (t.seq_len, t.global_batch_size, t.micro_batch_size, dp_mesh.get_local_rank(), dp_mesh.size())
     # Replica groups split each step's batch as one more data-parallel dimension; each evaluates all of it
     group = cfg.fault_tolerance.replica_id if cfg.fault_tolerance.enable else 0

@@ -40,13 +40,14 @@ def test_document_ids_and_positions_restart_after_each_end_of_text():
     assert mask[5].tolist() == [False, False, True, True, True, True, False, False]  # its document, up to itself
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug_sliding", "debug_hybrid"])
+@pytest.mark.parametrize("flavor", ["debug", "debug_sliding", "debug_hybrid", "debug_llama4"])
 def test_a_packed_sequence_computes_what_each_document_computes_alone(flavor):
     """Per-token losses of a packed window under the document mask equal those of each document
     run alone from position 0 (the end-of-text that opens it included): fp32, within 1e-6 (the
     same arithmetic on a different number of rows: matmul blocking may differ in the last bit).
-    With a sliding block (a window of 8 keys: documents longer and shorter than it) too, and with
-    a linear block (its state and convolution restarted at each document; chunks of 16)."""
+    With a sliding block (a window of 8 keys: documents longer and shorter than it) too, with
+    a linear block (its state and convolution restarted at each document; chunks of 16), and with
+    Llama 4's chunked attention (chunks of 12 counted from each document's start)."""
     model = debug_model(flavor)
     tokens = packed([9, 20, 14, 7, 41], torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -73,11 +74,11 @@ def test_the_causal_mask_as_a_tensor_equals_the_causal_path_bitwise():
         assert torch.equal(rows, model(inputs))
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug_sliding", "debug_hybrid"])
+@pytest.mark.parametrize("flavor", ["debug", "debug_sliding", "debug_hybrid", "debug_llama4"])
 def test_flex_attention_forward_equals_sdpa_under_the_document_mask(flavor):
     """Where both run (forward on CPU; CPU has no FlexAttention backward), the same numbers:
     fp32, measured 3.6e-7, bound 2e-6 (FlexAttention reduces blocks in another order). A model
-    with a sliding block gets a BlockMask per window (BatchLayout's); its sinks (debug_sliding's)
+    with a sliding (or chunked) block gets a BlockMask per window (BatchLayout's); its sinks (debug_sliding's)
     join FlexAttention's softmax through its log-sum-exp. The document ids come along: a linear
     block (debug_hybrid's) restarts its state at each document from them."""
     model = debug_model(flavor)
@@ -86,9 +87,9 @@ def test_flex_attention_forward_equals_sdpa_under_the_document_mask(flavor):
             if name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
     tokens = packed([30, 50, 47], torch.Generator().manual_seed(3))[:, :128]
-    _, _, sdpa_kwargs = BatchLayout("document", "sdpa", EOS, 0, 1, windows=model.args.windows)(tokens, tokens)
-    _, _, flex_kwargs = BatchLayout("document", "flex", EOS, 0, 1, windows=model.args.windows)(tokens, tokens)
-    assert set(flex_kwargs["mask"]) == {*model.args.windows, "documents"}
+    _, _, sdpa_kwargs = BatchLayout("document", "sdpa", EOS, 0, 1, spans=model.args.spans)(tokens, tokens)
+    _, _, flex_kwargs = BatchLayout("document", "flex", EOS, 0, 1, spans=model.args.spans)(tokens, tokens)
+    assert set(flex_kwargs["mask"]) == {*model.args.spans, "documents"}
     with torch.no_grad():
         sdpa, flex = model(tokens, **sdpa_kwargs), model(tokens, **flex_kwargs)
     assert (sdpa - flex).abs().max() <= 2e-6

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     if not opts.tasks:
         raise ConfigError("tasks: give at least one task (a .jsonl file or a bundled name: sample)")
     model, tokenizer = load(storage.location(opts.checkpoint, "checkpoint"), opts.weights)
-    positions = model.args.sequence_limit  # its RoPE table's length (or one attention chunk): a longer window fails
+    positions = model.args.max_seq_len  # its RoPE table's length: a longer window fails
     if opts.max_length > positions:
         raise ConfigError(f"max_length: {opts.max_length} is beyond the model's {positions} positions; allowed: "
                           f"1..{positions} (0 = the model's)")

@@ -4,7 +4,7 @@ ModelArgs: a mixture of experts on every `interleave_moe_layer_step`-th block (o
 weighs each chosen expert's input by its sigmoid; dense blocks of `intermediate_size_mlp`;
 blocks without RoPE (`no_rope_layers`, else every `no_rope_layer_interval`-th) whose queries are
 temperature-tuned; weightless L2 q/k norms in the blocks with RoPE; chunked attention in those
-(`attention_chunk_size`: plait trains sequences of one chunk at most and refuses longer ones).
+(`attention_chunk_size`: a query sees the earlier keys of its chunk only; docs/families.md).
 Its RoPE is Meta's interleaved pairs, plait's own: q and k are not reordered."""
 
 from __future__ import annotations

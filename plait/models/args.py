@@ -48,8 +48,8 @@ class ModelArgs:
     # log(1 + floor((position + 1) / temperature_floor)) x nope_temperature + 1 (0: off)
     nope_temperature: float = 0.0
     temperature_floor: int = 8192
-    # Llama 4's chunked attention in the blocks with RoPE: a query sees the keys of its chunk of
-    # attention_chunk positions (0: none). plait trains sequences of one chunk at most (refused past it).
+    # Llama 4's chunked attention in the blocks with RoPE: the sequence cut every attention_chunk
+    # positions, a query sees the earlier keys of its own chunk only (0: none)
     attention_chunk: int = 0
     # Sliding-window attention: a query sees itself and the sliding_window - 1 keys before it (0 =
     # the whole sequence), in every block but full_layers (Mistral: all; Qwen: those below
@@ -143,11 +143,6 @@ class ModelArgs:
             object.__setattr__(self, "ffn_hidden", self.multiple_of * math.ceil(hidden / self.multiple_of))
 
     @property
-    def sequence_limit(self) -> int:
-        """The longest sequence plait computes for the model: its positions, or one attention chunk."""
-        return min(self.max_seq_len, self.attention_chunk or self.max_seq_len)
-
-    @property
     def rope_dim(self) -> int:
         """The entries of a query or key head that RoPE rotates (under latent attention: its RoPE part)."""
         return self.qk_rope_head_dim if self.kv_lora_rank else self.rotary_dim or self.head_dim
@@ -164,6 +159,15 @@ class ModelArgs:
         """Block `block`'s attention window (0: the whole sequence)."""
         return 0 if block in self.full_layers else self.sliding_window
 
+    def chunk(self, block: int) -> int:
+        """Block `block`'s attention chunk (0: none): Llama 4 chunks its blocks with RoPE."""
+        return 0 if block in self.nope_layers else self.attention_chunk
+
+    def reach(self, block: int) -> int:
+        """The most keys a query of block `block` sees, itself included: its window or its chunk
+        (0: the whole sequence before it)."""
+        return self.window(block) or self.chunk(block)
+
     def local_rope(self, block: int) -> bool:
         """Whether block `block` rotates by the sliding blocks' own RoPE."""
         return bool(self.local_rope_theta and self.window(block))
@@ -176,14 +180,15 @@ class ModelArgs:
         return "local_rope" if self.local_rope(block) else "rope"
 
     @property
-    def windows(self) -> tuple[int, ...]:
-        """The distinct windows of the blocks, ascending (0: a block over the whole sequence)."""
-        return tuple(sorted({self.window(block) for block in range(self.n_layers)}))
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The distinct (window, chunk) of the blocks' attention, ascending ((0, 0): a block over
+        the whole sequence before each query)."""
+        return tuple(sorted({(self.window(block), self.chunk(block)) for block in range(self.n_layers)}))
 
-    def own_mask(self, block: int) -> bool:
-        """Whether block `block` attends under a mask even where the sequence is causal alone
-        (a window, or sinks: SDPA's causal path has neither)."""
-        return bool(self.window(block)) or self.attention_sinks
+    def own_mask(self, block: int, seq_len: int) -> bool:
+        """Whether block `block` attends under a mask even where a sequence of `seq_len` is causal
+        alone (a window, sinks, a chunk shorter than it: SDPA's causal path has none of them)."""
+        return bool(self.window(block)) or self.attention_sinks or 0 < self.chunk(block) < seq_len
 
     @property
     def sparse_blocks(self) -> int:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from plait.models.args import ModelArgs
-from plait.models.masking import additive, allowed
+from plait.models.masking import additive, allowed, chunk_segments
 from plait.models.norms import ProjectionNorm, model_norm
 from plait.models.rope import apply_rope
 
@@ -42,19 +42,22 @@ class ScaledDotProduct(nn.Module):
     key/value heads (grouped-query attention, which SDPA's `enable_gqa` computes without a
     repeated copy of k and v: 20% less time forward + backward than repeating them). `mask`:
     None = causal over the sequence, SDPA's causal path; document ids [batch, keys]:
-    `masked_attention`; a dict of BlockMasks by window: FlexAttention. `queries`: where
+    `masked_attention`; a dict of BlockMasks by (window, chunk): FlexAttention. `queries`: where
     this rank's query rows lie in the sequence, as (first index, length) runs (default: the last
     q.shape[2] keys' positions, one run); `keys` likewise for k and v (default: from the first);
     `heads`: which of the module's heads q holds (default: all). `window` > 0: each query sees
-    only itself and the window - 1 keys before it. `sink_heads` > 0: a learned sink logit per
+    only itself and the window - 1 keys before it. `chunk` > 0: each query sees only the earlier
+    keys of its chunk (masking.chunk_segments; Llama 4). `sink_heads` > 0: a learned sink logit per
     head joins each softmax's denominator (gpt-oss). `scale`: of the scores (default: 1/sqrt of
     q's head_dim). A module of its own so context parallelism
     can hand it the keys and values (and queries, and heads) it needs (forward hooks), without
     touching the model."""
 
-    def __init__(self, window: int = 0, sink_heads: int = 0, scale: float | None = None):
+    def __init__(self, window: int = 0, sink_heads: int = 0, scale: float | None = None, chunk: int = 0):
         super().__init__()
-        self.window, self.scale = window, scale
+        self.window, self.scale, self.chunk = window, scale, chunk
+        # the most keys a query sees, itself included (0: all before it); context parallelism reads it
+        self.reach = window or chunk
         # (a parameter of the kernel's module: context parallelism's hooks hand the kernel its heads)
         self.sinks = nn.Parameter(torch.zeros(sink_heads)) if sink_heads else None
 
@@ -79,15 +82,18 @@ class ScaledDotProduct(nn.Module):
             return self.forward(q, k, F.pad(v, (0, q.shape[-1] - width)), mask, queries, keys, heads)[..., :width]
         sinks = self.sink_logits()
         sinks = sinks[heads] if sinks is not None else None  # (Ulysses: this rank's share of the heads)
-        if mask is None and (self.window or sinks is not None):  # the masked path, one document
+        # (a chunk as long as the sequence cuts nothing: the causal path's exact result, faster)
+        own = self.window or sinks is not None or 0 < self.chunk < k.shape[2]
+        if mask is None and own:  # the masked path, one document
             mask = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         if isinstance(mask, torch.Tensor):
-            return masked_attention(q, k, v, mask, queries or ((k.shape[2] - q.shape[2], q.shape[2]),), self.window,
-                                    keys or ((0, k.shape[2]),), sinks, self.scale)
+            segments = chunk_segments(mask, self.chunk) if self.chunk else mask
+            return masked_attention(q, k, v, segments, queries or ((k.shape[2] - q.shape[2], q.shape[2]),),
+                                    self.reach, keys or ((0, k.shape[2]),), sinks, self.scale)
         if isinstance(mask, dict):
-            mask = mask[self.window]
+            mask = mask[self.window, self.chunk]
         if sinks is None:
             return flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True, scale=self.scale)
         # A sink's share of each softmax: out x sum / (sum + e^sink) = out x sigmoid(lse - sink).
@@ -158,7 +164,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rope: bool = True, window: int = 0):
+    def __init__(self, args: ModelArgs, rope: bool = True, window: int = 0, chunk: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
@@ -176,7 +182,7 @@ class Attention(nn.Module):
             self.q_proj_norm = ProjectionNorm(args.n_heads * args.head_dim, args.norm_eps)
             self.k_proj_norm = ProjectionNorm(args.n_kv_heads * args.head_dim, args.norm_eps)
         self.core = ScaledDotProduct(window, args.n_heads if args.attention_sinks else 0,
-                                     scale=args.attention_scalar ** -0.5 if args.attention_scalar else None)
+                                     args.attention_scalar ** -0.5 if args.attention_scalar else None, chunk)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -197,8 +203,9 @@ class Attention(nn.Module):
             scale = rope[: q.shape[1]] if rope.ndim == 1 else rope
             q = (q * scale[..., None, None]).to(q.dtype)
         if cache is not None:  # generation: attend to every earlier position's keys and values too
-            k, v = cache.extend(self, k, v, self.core.window)
-            # Causal within the new positions; every cached one lies before them all: one document.
+            k, v = cache.extend(self, k, v, self.core.window, self.core.chunk)
+            # Causal within the new positions; every cached one lies before them all: one document
+            # (whose first cached position begins a chunk: its chunks are cut as the sequence's).
             mask = torch.zeros(batch, k.shape[1], dtype=torch.long, device=x.device)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
@@ -207,18 +214,20 @@ class Attention(nn.Module):
 
 class KVCache:
     """Keys and values of the positions seen so far, per attention layer, for generation; of a
-    layer with a window, only the window - 1 latest (all its next query can see)."""
+    layer with a window, only the window - 1 latest (all its next query can see); of a chunked
+    one, those of the chunk its next query begins or continues."""
 
     def __init__(self):
         self.layers: dict[Attention, tuple[torch.Tensor, torch.Tensor]] = {}
         self.length = 0  # positions seen: where the next tokens' RoPE positions start
 
-    def extend(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, window: int = 0
+    def extend(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, window: int = 0, chunk: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's keys and values after the cached ones (what attention sees now)."""
         if layer in self.layers:
             k, v = (torch.cat([old, new], dim=1) for old, new in zip(self.layers[layer], (k, v)))
-        kept = max(0, k.shape[1] - window + 1) if window else 0
+        # (a chunked layer's cache always starts at a chunk's first position: so k's own)
+        kept = max(0, k.shape[1] - window + 1) if window else k.shape[1] // chunk * chunk if chunk else 0
         self.layers[layer] = (k[:, kept:], v[:, kept:])
         return k, v
 

@@ -169,11 +169,12 @@ FLAVORS = {
     # Llama 4: experts weighed on their inputs by an unbiased sigmoid router with a shared expert, a
     # dense block, blocks without RoPE whose queries are temperature-tuned, L2 q/k norms, chunked
     # attention, Llama 3's RoPE scaling. The CPU test size: a dense block with RoPE, then a sparse
-    # one without (floor 16: the tuning moves within a test's 64 positions); Scout for plan (its
-    # 10M positions cut to 131072: a RoPE table of 10M is 5 GB).
+    # one without (floor 16: the tuning moves within a test's 64 positions; chunks of 12: a test's
+    # sequences cut in 6, across cp 2's chunks of 16); Scout for plan (its 10M positions cut to
+    # 131072: a RoPE table of 10M is 5 GB).
     "debug_llama4": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64,
                               n_experts=8, top_k=1, moe_hidden=64, dense_layers=(0,), nope_layers=(1,),
-                              temperature_floor=16, **LLAMA4),
+                              temperature_floor=16, **LLAMA4 | {"attention_chunk": 12}),
     "llama4_scout": ModelArgs(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048, head_dim=128,
                               ffn_hidden=16384, n_experts=16, top_k=1, moe_hidden=8192,
                               nope_layers=tuple(range(3, 48, 4)), max_seq_len=131072,

@@ -9,6 +9,10 @@ previous document, and stays in the loss, where it teaches how documents begin (
 from an empty prompt starts from an end-of-text too). The window's first tokens, cut from a
 document that began before it, count as a document that starts at position 0.
 
+Llama 4's chunked blocks cut each document every `chunk` positions from its start (the whole
+sequence from 0 under the causal mask, as transformers does): a chunk is a document of its own to
+them (`chunk_segments`), so every kernel path below serves them unchanged.
+
 The model gets a mask's recipe, not a mask: the document id of every key of the sequence
 [batch, seq] (all zeros: causal alone). Attention builds each query block's boolean rows from it
 (`allowed`) when it needs them, and again in backward, so no tensor of queries x keys is ever
@@ -35,6 +39,13 @@ def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+def chunk_segments(documents: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[batch, seq] document ids -> the ids of each document's chunks of `chunk` positions: a new
+    one wherever a token's position in its document is a multiple of `chunk` (0 included: every
+    document's first token)."""
+    return torch.cumsum(positions_in_documents(documents) % chunk == 0, dim=1)
 
 
 def allowed(documents: torch.Tensor, queries: torch.Tensor, end: int | None = None, start: int = 0,

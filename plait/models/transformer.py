@@ -34,7 +34,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = model_norm(args.dim, args)
         self.attention = GatedDeltaNet(args) if args.linear(index) else \
             LatentAttention(args, args.window(index)) if args.kv_lora_rank else \
-            Attention(args, rope=index not in args.nope_layers, window=args.window(index))
+            Attention(args, rope=index not in args.nope_layers, window=args.window(index), chunk=args.chunk(index))
         self.ffn_norm = model_norm(args.dim, args)
         self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
         if args.sandwich_norm:  # (ffn_norm is then the norm before the feed-forward layer)
@@ -132,8 +132,8 @@ class Transformer(nn.Module):
                 labels: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
         """`positions` [batch, seq]: each token's RoPE position (None: 0, 1, ... after the cache);
         `mask` (plait/models/masking.py): which keys each query sees: None = causal over the
-        sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMasks by window
-        with the document ids ("documents": linear attention's). `next_tokens`: (token t+1, token
+        sequence; the document id of each key [batch, seq]; or FlexAttention's BlockMasks by (window,
+        chunk) with the document ids ("documents": linear attention's). `next_tokens`: (token t+1, token
         t+2) at each position (-100: none), for multi-token prediction's loss. `labels`: return
         the mean next-token loss over the labels not -100 instead of the logits (`per_token`: each
         token's, 0 where -100, without gradient)."""
@@ -265,7 +265,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
     Attention counts the full (not causal) seq x seq products, 12 * layers * dim * seq, the
     convention of the PaLM paper and torchtitan, so MFU numbers are comparable with theirs; a
-    sliding block's queries each meet at most its window of keys: 12 * dim * min(seq, window).
+    sliding block's queries each meet at most its window of keys: 12 * dim * min(seq, window) (a
+    chunked block's, its chunk's).
     Under latent attention a head's scores and values are head_dim and v_head_dim wide: dim is
     then n_heads x their mean. A linear block's token mixing counts what its chunked form
     multiplies per token (`linear_mixing_flops`) in place of scores.
@@ -275,7 +276,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     # a matmul, though no parameter of its own: a tied output layer, and the output layer's use by each MTP module
     tied_output = args.vocab_size * args.dim * (args.tie_embeddings + args.mtp_layers)
     blocks = [block for block in range(args.n_layers + args.mtp_layers) if not args.linear(block)]
-    keys = sum(min(seq_len, args.window(block) or seq_len) for block in blocks)
+    keys = sum(min(seq_len, args.reach(block) or seq_len) for block in blocks)
     width = args.n_heads * (args.head_dim + args.v_head_dim) / 2 if args.kv_lora_rank else args.dim
     return 6 * (n + tied_output) + 12 * width * keys + len(args.linear_layers) * linear_mixing_flops(args)
 

@@ -59,10 +59,11 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
         for block in model.blocks():
             block.forward = compiled_forward(block)
         # Every block shares one code object, whose graphs dynamo caches together, each guarded on
-        # its block's kind (window, RoPE, experts, linear attention): the blocks of K kinds need K times the graphs of
-        # one (training, evaluation, their masks and lengths) before dynamo gives up on recompiling.
+        # its block's kind (window or chunk, RoPE, experts, linear attention): the blocks of K kinds
+        # need K times the graphs of one (training, evaluation, their masks and lengths) before
+        # dynamo gives up on recompiling.
         a = model.args
-        kinds = len({(a.window(i), i in a.nope_layers, a.local_rope(i), a.sparse(i), a.linear(i))
+        kinds = len({(a.window(i), a.chunk(i), i in a.nope_layers, a.local_rope(i), a.sparse(i), a.linear(i))
                      for i in range(a.n_layers)})
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * kinds)
     if cfg.parallelism.tp > 1:  # start-up refuses TP with classic DDP

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.config import ConfigError, JobConfig
 from plait.models.args import ModelArgs
 from plait.models.linear_attention import GatedDeltaNet
-from plait.models.masking import block_mask, document_ids, positions_in_documents
+from plait.models.masking import block_mask, chunk_segments, document_ids, positions_in_documents
 from plait.models.moe import moe_layers
 from plait.parallel.linear_context import apply_linear_cp, owner_index
 
@@ -145,14 +145,14 @@ class BatchLayout:
     causal mask without cp, the batch as it is (SDPA's causal path); else RoPE positions and a
     mask (plait/models/masking.py) for this rank's share of the sequence. Under Ulysses
     (`whole_sequences`: attention meets whole sequences) the causal mask needs no mask either.
-    FlexAttention gets a BlockMask per attention window of the model (`windows`, 0 = none), and the
-    document ids. A model
+    FlexAttention gets a BlockMask per (window, chunk) of the model's blocks (`spans`, 0 = none),
+    and the document ids. A model
     that predicts further tokens (multi-token prediction) gets tokens t+1 and t+2 of each position."""
 
     def __init__(self, mask: str, kernel: str, eos: int, cp_rank: int, cp: int, whole_sequences: bool = False,
-                 windows: tuple[int, ...] = (0,), predicts_further: bool = False):
+                 spans: tuple[tuple[int, int], ...] = ((0, 0),), predicts_further: bool = False):
         self.document, self.kernel, self.eos, self.rank, self.cp = mask == "document", kernel, eos, cp_rank, cp
-        self.whole_sequences, self.windows, self.predicts_further = whole_sequences, windows, predicts_further
+        self.whole_sequences, self.spans, self.predicts_further = whole_sequences, spans, predicts_further
 
     def causal(self) -> BatchLayout:
         """This layout under the causal mask (cp's split and kernel unchanged): for evaluation
@@ -163,8 +163,10 @@ class BatchLayout:
         return plain
 
     def flex_masks(self, documents: torch.Tensor, queries: torch.Tensor) -> dict:
-        """FlexAttention's BlockMask by window, and the document ids (linear attention's restarts)."""
-        return {window: block_mask(documents, queries, window) for window in self.windows} | {"documents": documents}
+        """FlexAttention's BlockMask by (window, chunk), and the document ids (linear attention's restarts)."""
+        return {(window, chunk): block_mask(chunk_segments(documents, chunk) if chunk else documents, queries,
+                                            window or chunk)
+                for window, chunk in self.spans} | {"documents": documents}
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mine, my_labels, kwargs = self.split(inputs, labels)
@@ -235,8 +237,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kind: str = "allgather", uly
 
     def whole_sequence(module, args):
         q, k, v, mask = args
-        chunk, tail = q.shape[2] // 2, module.window - 1
-        if 0 < tail <= chunk:  # a sliding window within a chunk: only each chunk's predecessor's tail
+        chunk, tail = q.shape[2] // 2, module.reach - 1
+        if 0 < tail <= chunk:  # a window (or attention chunk) within a chunk: each chunk's predecessor's tail
             k, v = (window_keys(t, chunk, tail) for t in (k, v))
             return q, k, v, mask, chunk_runs([rank], chunk), window_runs(chunk, tail)
         # [batch, heads, seq, head_dim]: gathered along the sequence, with autograd (the

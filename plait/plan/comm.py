@@ -86,7 +86,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # (the gather's output: the whole sequence's, in the compute dtype; under hybrid the
         # heads its Ulysses group gave it) and reduce-scatters their gradients in backward (its
         # input, the same size); a checkpointed block gathers again. Under all-gather, a sliding
-        # window no longer than a chunk gathers only the window - 1 keys before each chunk.
+        # window (or attention chunk) no longer than a chunk gathers only the window - 1 keys before each chunk.
         # Latent attention under cp_gather latent: each token's key latent and RoPE key, the whole sequence's.
         per_key = passes * ulysses_kv_heads(args.n_kv_heads // p.tp, n) // n * (args.head_dim + args.v_head_dim) * e
         latent = args.kv_lora_rank and latent_gather(cfg)

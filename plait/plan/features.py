@@ -27,7 +27,7 @@ def ulysses_degree(cfg: JobConfig) -> int:
 def masked(cfg: JobConfig, own_mask: bool = False) -> bool:
     """Whether attention runs under a mask built from document ids: the document mask, causal
     rows under all-gather or hybrid cp (Ulysses' whole sequences take SDPA's causal path), or a
-    block with a mask of its own (ModelArgs.own_mask: a sliding window, sinks)."""
+    block with a mask of its own (ModelArgs.own_mask: a sliding window, sinks, an attention chunk)."""
     return cfg.model.attention_mask == "document" or 1 < cfg.parallelism.cp != ulysses_degree(cfg) or own_mask
 
 
@@ -51,9 +51,10 @@ def sequence_aux(args: ModelArgs, cfg: JobConfig) -> bool:
 
 
 def window_tail_keys(args: ModelArgs, cfg: JobConfig, block: int, tokens: int) -> int:
-    """Under all-gather cp, the keys a rank gathers for a sliding block whose window fits in a
-    chunk: window - 1 before each of its two chunks of each sequence (0: it gathers them all)."""
-    p, tail = cfg.parallelism, args.window(block) - 1
+    """Under all-gather cp, the keys a rank gathers for a sliding (or chunked) block whose window
+    (attention chunk) fits in a chunk: window - 1 before each of its two chunks of each sequence
+    (0: it gathers them all)."""
+    p, tail = cfg.parallelism, args.reach(block) - 1
     sequences = tokens * p.cp // cfg.training.seq_len
     fits = p.cp > 1 and p.cp_kind == "allgather" and 0 < tail <= cfg.training.seq_len // (2 * p.cp)
     return 2 * sequences * tail if fits else 0

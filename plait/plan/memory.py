@@ -325,8 +325,9 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     tp, ac = cfg.parallelism.tp, cfg.activation_checkpoint
     chosen = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
-                                       masked(cfg, args.own_mask(i)), cfg.parallelism.cp, args.sparse(i),
-                                       ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens), latent_gather(cfg),
+                                       masked(cfg, args.own_mask(i, cfg.training.seq_len)), cfg.parallelism.cp,
+                                       args.sparse(i), ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens),
+                                       latent_gather(cfg),
                                        sequence_aux(args, cfg), mx_experts(args, cfg, e), i in args.nope_layers,
                                        args.linear(i))
                 for i in blocks)
@@ -347,8 +348,9 @@ def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
     d, block, tp = args.dim, args.n_layers, cfg.parallelism.tp
     own = (8 * d + 4) + (4 * d + 4 + 4 * d * (e != 4)) + 2 * e * d + (8 * d + 4)
     return tokens // tp * own + loss_bytes(args, cfg, tokens, e) + \
-        block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block)), cfg.parallelism.cp,
-                               args.sparse(block), ulysses_degree(cfg), window_tail_keys(args, cfg, block, tokens),
+        block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block, cfg.training.seq_len)),
+                               cfg.parallelism.cp, args.sparse(block), ulysses_degree(cfg),
+                               window_tail_keys(args, cfg, block, tokens),
                                latent_gather(cfg), sequence_aux(args, cfg), mx_experts(args, cfg, e),
                                block in args.nope_layers)
 
@@ -380,7 +382,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     shards; every parameter when it does not and compute is not fp32), one block's unsharded
     fp32 gradients before their reduce-scatter, the loss's workspace (`loss_workspace_bytes`), and
     under a mask one query block's mask (boolean and in the compute dtype) over the whole sequence (over
-    its window's keys, where only sliding blocks are masked), and MXFP8's copies of one matmul."""
+    its window's keys, where only sliding or chunked blocks are masked), and MXFP8's copies of one matmul."""
     p, t = cfg.parallelism, cfg.training
     grouped = units(params)
     sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp, 1, p.ep)) for u in grouped}
@@ -391,8 +393,9 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * sum(sizes.values()) if e != 4 else 0
     logits = loss_workspace_bytes(args, cfg, tokens // p.cp, e) if holds_output(args, params) else 0
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
-    window = args.windows[-1]  # the widest
+    # the widest window (or attention chunk) of the blocks masked for it alone
+    reach = max((args.reach(b) for b in range(args.n_layers) if args.own_mask(b, t.seq_len)), default=0)
     full = masked(cfg, args.attention_sinks)  # some block masked over the whole sequence
-    keys = t.seq_len if full else min(t.seq_len, window + query_block(window) - 1) if window else 0
-    mask = tokens // t.seq_len * min(QUERY_BLOCK if full else query_block(window), queries) * keys * (e + 1)
+    keys = t.seq_len if full else min(t.seq_len, reach + query_block(reach) - 1) if reach else 0
+    mask = tokens // t.seq_len * min(QUERY_BLOCK if full else query_block(reach), queries) * keys * (e + 1)
     return gathered + logits + mask + float8.quantised_bytes(args, cfg, tokens // p.cp)

@@ -101,11 +101,11 @@ def quantised_elements(args: ModelArgs, weight: str, tokens: int, tp: int) -> in
 def attention_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool) -> list[float]:
     """Scores and values per head and sequence: 2 x queries x keys x head_dim FLOPs each, half
     of it under a causal mask the kernel skips (no mask tensor: not for a block with a mask of
-    its own); under a sliding window each query block meets its window's keys and its own
-    (masked: computed whole)."""
-    sequences, window = max(1, tokens // seq_len), args.window(block)
-    keys = min(seq_len, window + query_block(window) - 1) if window else seq_len
-    half = causal and not args.own_mask(block)
+    its own); under a sliding window (or an attention chunk) each query block meets its window's
+    keys and its own (masked: computed whole)."""
+    sequences, reach = max(1, tokens // seq_len), args.reach(block)
+    keys = min(seq_len, reach + query_block(reach) - 1) if reach else seq_len
+    half = causal and not args.own_mask(block, seq_len)
     one = 2.0 * tokens / sequences * keys * args.head_dim * (0.5 if half else 1.0)
     return [one] * (2 * args.n_heads // tp * sequences)
 
@@ -153,11 +153,11 @@ def micro_batch_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | Non
     recomputed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every)) if ac.mode == "full" else set()
     causal = cfg.model.attention_mask == "causal" and not masked(cfg)
     eight = float8_weights(args, cfg.training.float8, p.tp)
-    kinds = Counter((args.sparse(b), b in recomputed, args.window(b)) for b in blocks)  # one kind, one cost
-    representative = {(args.sparse(b), b in recomputed, args.window(b)): b for b in blocks}
+    kinds = Counter((args.sparse(b), b in recomputed, args.reach(b)) for b in blocks)  # one kind, one cost
+    representative = {(args.sparse(b), b in recomputed, args.reach(b)): b for b in blocks}
     seconds = sum(n * block_seconds(args, representative[kind], tokens, t.seq_len, e, cal, cores, p.tp, p.cp, causal,
-                                    masked(cfg, args.own_mask(representative[kind])), kind[1], ulysses_degree(cfg),
-                                    latent_gather(cfg), eight)
+                                    masked(cfg, args.own_mask(representative[kind], t.seq_len)), kind[1],
+                                    ulysses_degree(cfg), latent_gather(cfg), eight)
                   for kind, n in kinds.items())
     if holds_output(args, params):  # the output layer's matmuls, the logits and the loss's fp32 log-softmax
         flops = 2.0 * tokens * args.dim * args.vocab_size / p.tp
