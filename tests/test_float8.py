@@ -185,7 +185,8 @@ def test_mxfp8_quantises_every_converted_matmul_forward_and_backward(train_once,
     assert casts == {"forward": micro * (2 * dense + 6 * moe), "backward": micro * (4 * dense + 12 * moe)}, casts
     assert {r["dtypes"].split("->")[1] for r in probe if r["kind"] == "quantize"} == {"float8_e4m3fn"}
     compute = "bfloat16" if precision else "float32"
-    grouped = {r["dtypes"] for r in probe if r["op"] == "_grouped_mm"}
+    # (fp32: plait's own grouped operator, plait/models/expert_matmul.py, forward and weight gradient)
+    grouped = {r["dtypes"] for r in probe if r["op"] in ("_grouped_mm", "expert_matmul", "expert_weight_gradient")}
     assert grouped == ({compute} if "moe" in layout else set())
 
 

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models.expert_matmul import expert_linear
+
 EXPERT_BIASES = ("experts.b1", "experts.b2", "experts.b3")  # gpt-oss's [E, n]: biases, though 2-D
 
 
@@ -81,16 +83,12 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     b1, b2, b3 = (b.to(dtype) for b in biases) if biases else (None, None, None)
     offsets = counts.cumsum(0, dtype=torch.int32)
-    if dtype != torch.bfloat16 and (x.is_cuda or torch.compiler.is_compiling()):
-        # CUDA's grouped kernel is bf16-only, and so is the shape function the compiler traces with
-        pieces = x.split(counts.tolist())
-        return torch.cat([F.linear(gated(F.linear(rows, w1[e], None if b1 is None else b1[e]),
-                                         F.linear(rows, w3[e], None if b3 is None else b3[e]), limit, alpha),
-                                   w2[e], None if b2 is None else b2[e]) for e, rows in enumerate(pieces)])
-    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts) if biases else None
+    # (the output's size given: each row's expert without a host read of the counts)
+    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                         output_size=x.shape[0]) if biases else None
 
     def grouped(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)  # (by name: torchao looks for it)
+        out = expert_linear(a, w, offsets)
         return out if b is None else out + b[row_expert]
 
     return grouped(gated(grouped(x, w1, b1), grouped(x, w3, b3), limit, alpha), w2, b2)
@@ -159,7 +157,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         scores, experts, weights = self.router(x)
         flat = experts.flatten()
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        # (not bincount: its output's size depends on the data, a graph break when compiled)
+        counts = torch.zeros(self.n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         token = order // k
         if self.route_inputs:  # (Llama 4: each expert's input scaled, in the input's dtype)

@@ -53,11 +53,15 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
                  latent=cfg.parallelism.cp_gather == "latent")
     if backend != "simple_fsdp":  # SimpleFSDP checkpoints its blocks itself: it reshards that way
         apply_ac(model, ac.mode, ac.every, n_blocks)
+    # A mixture of experts records each training forward's token counts (a list's append) once; a
+    # checkpointed block's compiled backward recomputes from its graph, not the Python, so the
+    # record is not replayed there (else dynamo refuses the side effect inside the checkpoint).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = cfg.compile.enable
     if cfg.compile.enable and backend != "simple_fsdp":
         # Compile each block's (checkpointed) forward in place: FQNs stay those of the plain model, and the
         # hooks that sharding adds around the module call stay outside the compiled graph.
         for block in model.blocks():
-            block.forward = compiled_forward(block)
+            block.forward = compiled_forward(block, whole=cfg.parallelism.ep == 1)
         # Every block shares one code object, whose graphs dynamo caches together, each guarded on
         # its block's kind (window or chunk, RoPE, experts, linear attention): the blocks of K kinds
         # need K times the graphs of one (training, evaluation, their masks and lengths) before
@@ -88,14 +92,15 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     return model
 
 
-def compiled_forward(block: nn.Module):
+def compiled_forward(block: nn.Module, whole: bool = True):
     """The block's forward compiled, taking its input waited on. Under TP the embedding hands the
     first block its output as an AsyncCollectiveTensor (its all-reduce not yet waited on), and a
     compiled graph given one returns no gradient for it: the embedding trained on zeros (torch
-    2.13, fp32 and bf16, with or without SP). `wait_tensor` is differentiable and copies nothing."""
-    # A mixture of experts breaks the graph where its token counts become sizes (all-to-all
-    # splits, grouped matmul offsets under ep; the step's load record): compiled in pieces.
-    compiled = torch.compile(block.forward, fullgraph=not isinstance(block.feed_forward, MoE))
+    2.13, fp32 and bf16, with or without SP). `wait_tensor` is differentiable and copies nothing.
+    One graph per block (`fullgraph`: a break is an error), but for a mixture of experts under ep
+    (`whole` False): its experts are an FSDP2 unit of their own inside the block, whose hooks
+    dynamo does not trace, and its all-to-alls' split sizes are token counts read on the host."""
+    compiled = torch.compile(block.forward, fullgraph=whole or not isinstance(block.feed_forward, MoE))
 
     def forward(x, *args, **kwargs):
         if isinstance(x, AsyncCollectiveTensor):

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from plait.models.expert_matmul import expert_matmul
+
 # Outputs `selective` keeps: matmuls (experts' grouped ones too), attention (every backend's kernel), and TP's reductions
 # (as torchtitan does). All-gathers are recomputed on purpose: SimpleFSDP's parameter gathers,
 # because recomputing them is what frees the gathered parameters between forward and backward,
@@ -31,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 # and one reduce-scatter; plan predicts exactly these (tests/test_plan.py).
 _ops = torch.ops.aten
 MATMULS = {_ops.mm.default, _ops.addmm.default, _ops.bmm.default, _ops._grouped_mm.default,
+           expert_matmul._opoverload,  # (plait's, outside bf16)
            _ops._scaled_dot_product_flash_attention_for_cpu.default,
            _ops._scaled_dot_product_flash_attention.default,
            _ops._scaled_dot_product_efficient_attention.default,

@@ -56,10 +56,6 @@ def check_experts(args: ModelArgs, cfg: JobConfig) -> None:
         raise ConfigError(f"training.moe_sequence_aux_coef: {cfg.training.moe_sequence_aux_coef} weighs a sigmoid "
                           "router's loss (DeepSeek-V3's); this model's router is softmax, whose loss "
                           "training.moe_aux_loss_coef weighs; allowed here: 0")
-    if p.dp_backend == "simple_fsdp" and cfg.compile.enable:
-        raise ConfigError("compile.enable: simple_fsdp compiles the whole model as one graph, which a mixture of "
-                          "experts' token counts (data-dependent sizes) break; allowed: simple_fsdp without compile, "
-                          "or dp_backend fsdp2 (which compiles each block, an MoE block in pieces)")
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:

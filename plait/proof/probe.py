@@ -29,6 +29,8 @@ def op_kind(func) -> str | None:
     namespace, name = func.namespace, func._opname
     if namespace in ("c10d", "_c10d_functional"):
         return "collective"
+    if namespace == "plait":  # (plait/models/expert_matmul.py: the experts' matmuls outside bf16)
+        return "matmul"
     if namespace != "aten":
         return None
     if name.startswith(ATTENTION_PREFIX) and "backward" not in name:
