@@ -57,12 +57,12 @@ EVALUATED = ("single", "pp", "tp", "cp")
     # and rounding into one kernel; a scale one ulp off moves a few values across a float8
     # rounding boundary: measured 9.5e-6, bound 10x
     ("fsdp2_f8", [], [], 1e-4),
-    # a mixture of experts (GLM-4.5's: sigmoid routing by groups, a shared expert) as one graph per
-    # block: its counts scattered (not bincount's data-sized output), its fp32 grouped matmuls
-    # plait's own operator (plait/models/expert_matmul.py). Measured 4.8e-7: one ulp of the loss
-    ("fsdp2_glm4_moe", [], [], 1e-6),
+    # a mixture of experts as one graph per block: its counts scattered (not bincount's data-sized
+    # output), its fp32 grouped matmuls plait's own operator (plait/models/expert_matmul.py).
+    # Measured bitwise (GLM-4.5's under FSDP2, by hand: 4.8e-7, one ulp of the loss)
+    ("single_moe", [], [], 1e-6),
 ], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32", "tp2-fp32", "fsdp2-fp32-ac-full", "cp2-fp32",
-         "fsdp2-float8", "fsdp2-moe-fp32"])
+         "fsdp2-float8", "single-moe-fp32"])
 def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mode, tolerance):
     eager, _ = layout_run(train_once, layout, precision, mode)  # shared with the parity tests
     world, args = LAYOUTS[layout]

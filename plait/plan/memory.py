@@ -382,7 +382,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     shards; every parameter when it does not and compute is not fp32), one block's unsharded
     fp32 gradients before their reduce-scatter, the loss's workspace (`loss_workspace_bytes`), and
     under a mask one query block's mask (boolean and in the compute dtype) over the whole sequence (over
-    its window's keys, where only sliding or chunked blocks are masked), and MXFP8's copies of one matmul."""
+    the widest window's keys, where only sliding or chunked blocks are masked), and MXFP8's copies of one matmul."""
     p, t = cfg.parallelism, cfg.training
     grouped = units(params)
     sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp, 1, p.ep)) for u in grouped}
@@ -393,9 +393,8 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
         gathered = e * sum(sizes.values()) if e != 4 else 0
     logits = loss_workspace_bytes(args, cfg, tokens // p.cp, e) if holds_output(args, params) else 0
     queries = t.seq_len // p.cp * ulysses_degree(cfg)
-    # the widest window (or attention chunk) of the blocks masked for it alone
-    reach = max((args.reach(b) for b in range(args.n_layers) if args.own_mask(b, t.seq_len)), default=0)
+    widest = max((args.reach(b) for b in range(args.n_layers) if args.own_mask(b, t.seq_len)), default=0)
     full = masked(cfg, args.attention_sinks)  # some block masked over the whole sequence
-    keys = t.seq_len if full else min(t.seq_len, reach + query_block(reach) - 1) if reach else 0
-    mask = tokens // t.seq_len * min(QUERY_BLOCK if full else query_block(reach), queries) * keys * (e + 1)
+    keys = t.seq_len if full else min(t.seq_len, widest + query_block(widest) - 1) if widest else 0
+    mask = tokens // t.seq_len * min(QUERY_BLOCK if full else query_block(widest), queries) * keys * (e + 1)
     return gathered + logits + mask + float8.quantised_bytes(args, cfg, tokens // p.cp)
