@@ -25,10 +25,13 @@ PRECISIONS = {"fp32": [], "bf16": BF16}
 # Layouts whose runs plan predicts only in part, and why. A layout added to conftest.LAYOUTS
 # without an entry here must be predicted in full, or this module fails.
 PARTLY = {
-    # A linear-attention block's saved activations are counted from its code, not yet tensor by tensor
-    # as the probe sees them: predicted 7% over the measured (4.54 MB for 4.24, debug_hybrid fp32).
+    # A linear-attention block's saved activations are counted from its code, not tensor by tensor
+    # as the probe sees them: measured 0.97-1.01 of the probe's (one device, FSDP2, TP2, PP2 and
+    # OLMo's hybrid). Under cp what its chunks' incoming states and windows keep, and next to a
+    # mixture of experts, plan does not count yet: 0.86 (CP2), 0.89 (OLMo's, CP2 x FSDP2), 0.95 (MoE).
     **{name: {"state", "comm"} for name, (_, args) in LAYOUTS.items()
-       if {"debug_hybrid", "debug_hybrid_moe", "debug_olmo_hybrid"} & set(args)},
+       if {"debug_hybrid", "debug_hybrid_moe", "debug_olmo_hybrid"} & set(args)
+       and ("--parallelism.cp" in args or "debug_hybrid_moe" in args)},
     # SimpleFSDP gathers parameter by parameter and reshards by recomputing its blocks, which
     # plan does not model: it plans fully_shard (the default backend), which holds the same state.
     "simple_fsdp": {"state"}, "simple_hsdp_w4": {"state"}, "simple_fsdp_tp": {"state"}, "simple_fsdp_tied": {"state"},
@@ -67,7 +70,7 @@ ALL_PARTS = {"state", "activations", "comm"}
 # The interleaved and V schedules run several stages per rank; how many micro-batches each holds
 # at the first backward is predicted as an upper bound, and their receives are compared by kind.
 BOUNDED = {"pp_interleaved_1f1b", "pp_interleaved_zb", "pp_zbv"}
-ACTIVATION_TOLERANCE = 0.05  # the issue's bound; every measured row is exact (ratio 1.0000)
+ACTIVATION_TOLERANCE = 0.05  # the issue's bound; every measured row is exact (ratio 1.0000) but the linear blocks'
 
 AC = ["--activation_checkpoint.mode"]
 AC_RUNS = {  # (layout, precision, AC options); their reference is the same run without AC

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from plait.models.args import ModelArgs
 
@@ -35,20 +36,32 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor |
     `history` [batch, taps - 1, channels]: the inputs before the first position (generation's
     cache, a context-parallel chunk's predecessor; default zeros); `documents` then covers its
     positions too [batch, taps - 1 + seq]."""
-    taps, seq = weight.shape[1], x.shape[1]
+    seq = x.shape[1]
     if history is not None:
         x = torch.cat([history.to(x.dtype), x], 1)
     if documents is not None:  # (the positions before the first read document -1: none)
         documents = F.pad(documents, (x.shape[1] - documents.shape[1], 0), value=-1)
     x32, w = x.float(), weight.float()
+    # Each tap's product keeps its shifted copy of x for the weight's gradient: taps - 1 fp32
+    # copies of the input (Qwen3-Next's: 96 KiB a token in each linear block). Recomputed in backward
+    # from x instead (element-wise work; compiled, the partitioner decides what backward keeps).
+    recompute = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    out = checkpoint(taps_sum, x32, w, documents, seq, use_reentrant=False) if recompute else \
+        taps_sum(x32, w, documents, seq)
+    return F.silu(out).to(x.dtype)
+
+
+def taps_sum(x32: torch.Tensor, w: torch.Tensor, documents: torch.Tensor | None, seq: int) -> torch.Tensor:
+    """causal_conv's sum over the taps, for the last `seq` positions of x32."""
+    length = x32.shape[1]
     out = x32[:, -seq:] * w[:, -1]
-    for s in range(1, taps):
-        earlier = F.pad(x32, (0, 0, s, 0))[:, x32.shape[1] - seq: x32.shape[1]]  # x_{t-s}
+    for s in range(1, w.shape[1]):
+        earlier = F.pad(x32, (0, 0, s, 0))[:, length - seq: length]  # x_{t-s}
         if documents is not None:
-            same = documents[:, -seq:] == F.pad(documents, (s, 0), value=-1)[:, x.shape[1] - seq: x.shape[1]]
+            same = documents[:, -seq:] == F.pad(documents, (s, 0), value=-1)[:, length - seq: length]
             earlier = earlier * same[..., None]
         out = out + earlier * w[:, -1 - s]
-    return F.silu(out).to(x.dtype)
+    return out
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
