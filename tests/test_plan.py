@@ -26,12 +26,9 @@ PRECISIONS = {"fp32": [], "bf16": BF16}
 # without an entry here must be predicted in full, or this module fails.
 PARTLY = {
     # A linear-attention block's saved activations are counted from its code, not tensor by tensor
-    # as the probe sees them: measured 0.97-1.01 of the probe's (one device, FSDP2, TP2, PP2 and
-    # OLMo's hybrid). Under cp what its chunks' incoming states and windows keep, and next to a
-    # mixture of experts, plan does not count yet: 0.86 (CP2), 0.89 (OLMo's, CP2 x FSDP2), 0.95 (MoE).
-    **{name: {"state", "comm"} for name, (_, args) in LAYOUTS.items()
-       if {"debug_hybrid", "debug_hybrid_moe", "debug_olmo_hybrid"} & set(args)
-       and ("--parallelism.cp" in args or "debug_hybrid_moe" in args)},
+    # as the probe sees them: measured 0.96-1.01 of the probe's (one device, FSDP2, TP2, PP2, CP2,
+    # OLMo's hybrid alone and under CP2 x FSDP2). Next to a mixture of experts 0.947: not yet.
+    **{name: {"state", "comm"} for name, (_, args) in LAYOUTS.items() if "debug_hybrid_moe" in args},
     # SimpleFSDP gathers parameter by parameter and reshards by recomputing its blocks, which
     # plan does not model: it plans fully_shard (the default backend), which holds the same state.
     "simple_fsdp": {"state"}, "simple_hsdp_w4": {"state"}, "simple_fsdp_tp": {"state"}, "simple_fsdp_tied": {"state"},

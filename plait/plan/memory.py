@@ -200,7 +200,7 @@ def block_activation_bytes(args: ModelArgs, tokens: int, e: int, mode: str, tp: 
     experts = moe_bytes(args, tokens, e, mode, sequence_aux, mx_experts) if moe else 0
     if moe:
         ffn = 0
-    mixer = tokens * linear_mixer_bytes(args, e, mode, tp) if linear else 0
+    mixer = tokens * linear_mixer_bytes(args, e, mode, tp, cp) if linear else 0
     if mode == "full":
         return tokens * e * d // tp + experts
     if linear and mode == "selective":  # (the norms' and feed-forward's as below, its own mixer's)
