@@ -275,8 +275,9 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
     if mode == "full":
         return record
     shared = args.moe_hidden * args.n_shared_experts
-    if mode == "selective":  # (and the shared experts' three matmuls)
-        return record + tokens * n * 4 + rows * (2 * h + d) * e + tokens * (2 * shared + d * bool(shared)) * e
+    gate = args.shared_expert_gate  # (Qwen3-Next: the shared experts' output times a sigmoid of one projection)
+    if mode == "selective":  # (and the shared experts' three matmuls, and its gate's)
+        return record + tokens * n * 4 + rows * (2 * h + d) * e + tokens * (2 * shared + d * bool(shared) + gate) * e
     router = tokens * n * 12 + args.normalize_top_k * tokens * (k + 1) * 4 + n * 4 * softmax + 4 * tokens * sequence_aux
     casts = tokens * d * 4 + n * d * 4 - tokens * d * e * (not shared) if e != 4 else 0
     hidden = 7 if args.swiglu_limit else 4  # the clamped SwiGLU: both clamps' inputs, and gate, sigmoid, glu, up + 1
@@ -284,8 +285,7 @@ def moe_bytes(args: ModelArgs, tokens: int, e: int, mode: str, sequence_aux: boo
     padded = -(-(rows + 32 * n) // 32) * 32
     mx = padded * (2 * d + h) * e + 3 * 2 * n * 4 - rows * (d + h) * e if mx_experts else 0
     kept = rows * ((3 * d + hidden * h) * e + 16 + e) + row_experts + router + n * 4 + casts + 4 * tokens * shared * e
-    return record + kept + mx
-
+    return record + kept + mx + tokens * (d + 1) * e * gate  # (the gated product's factors: shared output, sigmoid)
 
 
 def rope_rows_bytes(args: ModelArgs, cfg: JobConfig, sequences: int) -> int:
