@@ -56,10 +56,13 @@ class ScaledDotProduct(nn.Module):
     def __init__(self, window: int = 0, sink_heads: int = 0, scale: float | None = None, chunk: int = 0):
         super().__init__()
         self.window, self.scale, self.chunk = window, scale, chunk
-        # the most keys a query sees, itself included (0: all before it); context parallelism reads it
-        self.reach = window or chunk
         # (a parameter of the kernel's module: context parallelism's hooks hand the kernel its heads)
         self.sinks = nn.Parameter(torch.zeros(sink_heads)) if sink_heads else None
+
+    @property
+    def reach(self) -> int:
+        """The most keys a query sees, itself included (0: all before it); context parallelism reads it."""
+        return self.window or self.chunk
 
     def sink_logits(self) -> torch.Tensor | None:
         """The sinks of the heads this module holds (tensor parallelism hands back its share)."""
@@ -89,9 +92,9 @@ class ScaledDotProduct(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         if isinstance(mask, torch.Tensor):
-            segments = chunk_segments(mask, self.chunk) if self.chunk else mask
-            return masked_attention(q, k, v, segments, queries or ((k.shape[2] - q.shape[2], q.shape[2]),),
-                                    self.reach, keys or ((0, k.shape[2]),), sinks, self.scale)
+            return masked_attention(q, k, v, chunk_segments(mask, self.chunk),
+                                    queries or ((k.shape[2] - q.shape[2], q.shape[2]),), self.reach,
+                                    keys or ((0, k.shape[2]),), sinks, self.scale)
         if isinstance(mask, dict):
             mask = mask[self.window, self.chunk]
         if sinks is None:

@@ -44,7 +44,9 @@ def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
 def chunk_segments(documents: torch.Tensor, chunk: int) -> torch.Tensor:
     """[batch, seq] document ids -> the ids of each document's chunks of `chunk` positions: a new
     one wherever a token's position in its document is a multiple of `chunk` (0 included: every
-    document's first token)."""
+    document's first token). `chunk` 0: the documents themselves."""
+    if not chunk:
+        return documents
     return torch.cumsum(positions_in_documents(documents) % chunk == 0, dim=1)
 
 

@@ -164,8 +164,7 @@ class BatchLayout:
 
     def flex_masks(self, documents: torch.Tensor, queries: torch.Tensor) -> dict:
         """FlexAttention's BlockMask by (window, chunk), and the document ids (linear attention's restarts)."""
-        return {(window, chunk): block_mask(chunk_segments(documents, chunk) if chunk else documents, queries,
-                                            window or chunk)
+        return {(window, chunk): block_mask(chunk_segments(documents, chunk), queries, window or chunk)
                 for window, chunk in self.spans} | {"documents": documents}
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -327,9 +327,8 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
     total = sum(block_activation_bytes(args, tokens, e, ac.mode if i in chosen else "none", tp,
                                        masked(cfg, args.own_mask(i, cfg.training.seq_len)), cfg.parallelism.cp,
                                        args.sparse(i), ulysses_degree(cfg), window_tail_keys(args, cfg, i, tokens),
-                                       latent_gather(cfg),
-                                       sequence_aux(args, cfg), mx_experts(args, cfg, e), i in args.nope_layers,
-                                       args.linear(i))
+                                       latent_gather(cfg), sequence_aux(args, cfg), mx_experts(args, cfg, e),
+                                       i in args.nope_layers, args.linear(i))
                 for i in blocks)
     if last:
         total += tokens // tp * (8 * args.dim + 4) + loss_bytes(args, cfg, tokens, e)
