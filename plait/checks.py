@@ -18,6 +18,7 @@ from plait.data.shards import is_tokenized
 from plait.models.masking import check_attention
 from plait.optim.optimizers import check_optimizer
 from plait.parallel.context_parallel import check_context_parallel
+from plait.parallel.data_parallel import check_offload
 from plait.parallel.replica_groups import check_fault_tolerance
 from plait.parallel.expert_parallel import check_expert_options
 from plait.parallel.stages import check_pipeline, microbatches
@@ -49,6 +50,7 @@ def check_options(cfg: JobConfig, world: int) -> JobConfig:
     check_optimizer(cfg)
     check_context_parallel(cfg)
     check_expert_options(cfg)
+    check_offload(cfg)
     resolve(cfg)
     check_attention(cfg)
     check_wandb(cfg)

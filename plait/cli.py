@@ -63,8 +63,11 @@ def _train(argv: list[str]) -> int:
             return launch_groups(argv, cfg)
     if (cfg.nproc > 1 or cfg.max_restarts) and "RANK" not in os.environ:
         from plait.checks import check_model, check_options
+        from plait.hardware import pick_device
+        from plait.parallel.data_parallel import check_offload
 
         check_model(check_options(cfg, cfg.nproc))  # once here: a mistake is one line, not one per rank
+        check_offload(cfg, pick_device(cfg.training.device))
         warn_of_oversubscription(cfg)
         return launch_local(argv, cfg.nproc, cfg.max_restarts)
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) != cfg.nproc:

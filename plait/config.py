@@ -105,6 +105,9 @@ class Training:
     rollback = also the last checkpoint's weights and optimizer state back (the data since not seen again)"""
     spike_threshold: float = 6.0
     """a spike: over median + this x 1.4826 x the median deviation of the last 100 unspiked steps (after 20)"""
+    offload: Literal["none", "optimizer"] = "none"
+    """optimizer = FSDP2's CPU offload: parameters' shards, gradients and optimizer state in host memory, AdamW stepped
+    by the host (CUDA, fsdp2, adamw; plait/parallel/data_parallel.py)"""
     host_memory: Literal["auto", "retain", "release"] = "auto"
     """retain: keep freed host memory in the process (glibc: no mmap, no trimming) instead of faulting the same
     activations in again every step; release: glibc's default; auto = retain on a CPU device (plait/host_memory.py)"""

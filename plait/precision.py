@@ -32,7 +32,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.config import ConfigError, JobConfig, replica_groups, world_size
@@ -52,6 +52,7 @@ class Precision:
     chosen_by: str = ""  # how `auto` picked the compute dtype, for the start-up line
     float8: str = "none"  # float8 recipe of the blocks' linear layers, or none
     world: int = 1  # ranks of the job (in every replica group)
+    offload: bool = False  # fully_shard keeps the fp32 shards in host memory (`training.offload`)
 
     @property
     def one_device(self) -> bool:
@@ -59,9 +60,10 @@ class Precision:
         A reduce dtype other than fp32 keeps fully_shard, whose degree-1 reduction rounds them as asked.
         So does MXFP8: its weights are torchao's wrapper tensors, and a fresh compute-dtype copy of one
         as a leaf each step (what `CastUnit` makes) is never freed (torch 2.13, torchao 0.18: 0.17 GiB a
-        step on `small`); fully_shard reuses one unsharded parameter."""
+        step on `small`); fully_shard reuses one unsharded parameter. And so does offloading: fully_shard
+        moves the parameters to the host."""
         return self.world == 1 and self.backend == "fsdp2" and self.reduce == torch.float32 and \
-            not self.float8.startswith("mxfp8")
+            not self.float8.startswith("mxfp8") and not self.offload
 
     @property
     def autocast(self) -> bool:
@@ -76,6 +78,11 @@ class Precision:
         """
         return MixedPrecisionPolicy(param_dtype=self.compute if self.mode == "param" else None,
                                     reduce_dtype=self.reduce, cast_forward_inputs=False)
+
+    def offload_policy(self) -> OffloadPolicy:
+        # (pinned host memory, which lets the copies overlap compute, needs an accelerator: a CPU, where
+        # training refuses offloading, builds it unpinned for tests/test_init.py)
+        return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if self.offload else OffloadPolicy()
 
     def mechanism(self) -> str:
         """One line for the start-up log: what enforces the dtypes in this run."""
@@ -92,8 +99,9 @@ class Precision:
                 "entry" if self.compute != torch.float32 else "no casts"
             return f"one device, no fully_shard (nothing to shard or reduce): {cast}, fp32 gradients"
         cast = "torch.autocast(forward+loss)" if self.mode == "autocast" else "fully_shard param_dtype cast"
+        offload = " + CPUOffloadPolicy (fp32 shards, gradients, AdamW on the host)" * self.offload
         return f"fully_shard MixedPrecisionPolicy(param={_name(self.fsdp_policy().param_dtype)}, " \
-               f"reduce={_name(self.reduce)}) + {cast}"
+               f"reduce={_name(self.reduce)}){offload} + {cast}"
 
     def describe(self) -> str:
         why = f" ({self.chosen_by})" if self.chosen_by else " (emulated: no bf16 matmul units here)" * self.emulated
@@ -122,7 +130,7 @@ def resolve(cfg: JobConfig) -> Precision:
     precision = Precision(DTYPES[compute], DTYPES[t.mixed_precision_reduce], t.mixed_precision_mode, backend,
                           emulated=compute == "bfloat16" and not native,
                           chosen_by=f"auto: {why}" if t.mixed_precision_param == "auto" else "", float8=t.float8,
-                          world=world_size() * replica_groups(cfg))
+                          world=world_size() * replica_groups(cfg), offload=t.offload != "none")
     if backend == "ddp" and precision.mode == "param" and precision.compute != torch.float32:
         raise ConfigError("training.mixed_precision_mode: param is not possible with parallelism.dp_backend ddp "
                           "(DistributedDataParallel cannot cast parameters at module boundaries); use "

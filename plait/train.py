@@ -38,6 +38,7 @@ from plait.models.transformer import flops_per_token, linear_weight_shapes
 from plait.optim import optimizers
 from plait.optim.schedule import factor
 from plait.parallel import BatchLayout
+from plait.parallel.data_parallel import check_offload
 from plait.parallel.expert_parallel import check_experts
 from plait.parallel.stages import microbatches
 from plait.parallel.context_parallel import check_heads
@@ -67,7 +68,8 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     timeout = timedelta(seconds=cfg.comm.timeout_seconds)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # (offloaded, the gradient norm and its clipping meet host tensors: gloo carries those)
+        backend = "cuda:nccl,cpu:gloo" if cfg.training.offload != "none" else "nccl"
     else:
         backend = "gloo"
     if "RANK" in os.environ:
@@ -169,6 +171,7 @@ def run(cfg: JobConfig) -> list[dict]:
     check_heads(args, cfg)
     check_experts(args, cfg)
     device = pick_device(cfg.training.device)
+    check_offload(cfg, device)
     float8.check_layers(args, cfg, device, resolve(cfg).compute)
     identity = job_identity(cfg, args, corpus.fingerprint)
     check_checkpoints(cfg, args, identity)

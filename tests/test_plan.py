@@ -283,6 +283,45 @@ def test_float8_is_timed_at_the_calibrations_float8_speed_with_its_casts():
     assert "no MXFP8 speed measured" in plan.float8_timing("mxfp8", h100)
 
 
+def test_offloading_moves_the_state_to_the_host_and_prices_the_host(capsys):
+    """training.offload optimizer: the device holds no state, the host all of it (the same bytes);
+    the host steps AdamW at its share of the node's rate; the copies hide behind compute while
+    they are shorter. The search tries it where the calibration knows the host's link (a GPU's),
+    and a job that gives offload is held to it."""
+    from dataclasses import replace
+
+    from plait.plan.calibration import data_sheet
+    from plait.plan.search import predict_job
+
+    h100 = data_sheet("h100")
+
+    def row(*flags, world=8, cal=h100):
+        job = check_options(parse_args(["--model.flavor", "llama3_8b", "--training.seq_len", "8192",
+                                        "--training.global_batch_size", str(world), *flags]), world)
+        return predict_job(plan.model_shape(job), job, world, 80.0, cal, 8, host_memory_gib=2048.0)
+
+    kept, offloaded = row(), row("--training.offload", "optimizer")
+    assert offloaded.state_gib == 0 and offloaded.host_gib == pytest.approx(kept.state_gib, rel=1e-12)
+    assert offloaded.activations_gib == kept.activations_gib
+    elements = kept.state_gib * 2**30 / 16  # (fp32 weight, gradient and two moments: 16 bytes an element)
+    assert offloaded.optimizer_seconds == pytest.approx(elements * 8 / h100.host_step, rel=1e-3)
+    slow_link = row("--training.offload", "optimizer", cal=replace(h100, host_link=1e9))
+    assert slow_link.communication_seconds > offloaded.communication_seconds + 1  # (no longer hidden)
+    # one H100: llama3_8b's 120 GiB of state fits only on the host; a host of 100 GiB refuses it
+    code = main(["plan", "--world", "1", "--device_memory_gib", "80", "--model.flavor", "llama3_8b",
+                 "--training.seq_len", "8192", "--training.global_batch_size", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "offload optimizer (119.66 GiB of host memory per rank)" in out
+    assert "--training.offload optimizer" in out.split("plan: run it:")[1]
+    for flags in (["--training.offload", "none"], ["--host_memory_gib", "100"]):
+        assert main(["plan", "--world", "1", "--device_memory_gib", "80", "--model.flavor", "llama3_8b",
+                     "--training.seq_len", "8192", "--training.global_batch_size", "4", *flags]) == 1
+        assert "fits nowhere" in capsys.readouterr().out
+    # no host link known (a CPU, or a doctor's file from before it measured one): no offload rows
+    assert main(["plan", "--world", "2", "--device_memory_gib", "80", "--device", "cpu", "--json", *TINY]) == 0
+    assert {r["offload"] for r in json.loads(capsys.readouterr().out)["rows"]} == {"none"}
+
+
 def test_calibrations_and_their_errors(tmp_path, capsys):
     from plait.config import ConfigError
     from plait.plan.calibration import at, data_sheet, here, load

@@ -114,8 +114,9 @@ class Transformer(nn.Module):
         return [*self.layers.values(), *(predictor.block for predictor in self.mtp.values())]
 
     def reset_buffers(self) -> None:
-        """(Re)compute the RoPE tables: after `to_empty` a non-persistent buffer holds garbage."""
-        device = next(self.parameters()).device
+        """(Re)compute the RoPE tables: after `to_empty` a non-persistent buffer holds garbage. (On the
+        buffers' device: with the optimizer offloaded the parameters' shards live on the host.)"""
+        device = self.rope.device
         a = self.args
         self.rope = rope_table(a.rope_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
         if a.local_rope_theta:

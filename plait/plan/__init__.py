@@ -59,6 +59,8 @@ class PlanArgs:
     """plait doctor --json FILE of the real machine: its measured speeds replace the data sheet's"""
     node_size: int = 8
     """devices per node: collectives of groups within a node run at the node's links"""
+    host_memory_gib: float = 2048.0
+    """memory of one node's host, GiB: where training.offload optimizer keeps its ranks' state (a DGX H100's 2 TB)"""
     top: int = 8
     """rows to print (the best first); 0 = all"""
     json: bool = False
@@ -130,24 +132,32 @@ def bandwidth(curves: dict) -> str:
 
 def table(rows: list[Row], memory_gib: float) -> str:
     width = max([44, *(len(r.layout) for r in rows)])
-    header = (f"{'layout':<{width}} {'ac':<9} {'mbs':>3} {'state':>7} {'activ.':>7} {'buffers':>7} {'total':>7} "
+    host = any(r.offload != "none" for r in rows)  # (the host's columns where some row offloads)
+    header = (f"{'layout':<{width}} {'ac':<9} {'mbs':>3} {'offload':>9} {'host':>7} " * host +
+              f"{'layout':<{width}} {'ac':<9} {'mbs':>3} " * (not host) +
+              f"{'state':>7} {'activ.':>7} {'buffers':>7} {'total':>7} "
               f"{'comm/step':>10} {'fits':>4} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6}")
     lines = [header]
     for r in rows:
-        lines.append(f"{r.layout:<{width}} {r.activation_checkpoint:<9} {r.micro_batch_size:>3} {r.state_gib:7.2f} "
+        offload = f"{r.offload:>9} {r.host_gib:7.2f} " if host else ""
+        lines.append(f"{r.layout:<{width}} {r.activation_checkpoint:<9} {r.micro_batch_size:>3} {offload}{r.state_gib:7.2f} "
                      f"{r.activations_gib:7.2f} {r.buffers_gib:7.2f} {r.total_gib:7.2f} {r.comm_bytes / GIB:7.2f} Gi "
                      f"{'yes' if r.fits else 'no':>4} {r.step_seconds:8.3g} {r.tokens_per_second_per_device:10,.0f} "
                      f"{r.mfu:6.1%}")
-    return "\n".join(lines) + f"\n(GiB per rank; {memory_gib:g} GiB per device; mbs: micro-batch size)"
+    memory = "; host: host memory per rank (offload optimizer: its state, off the device)" * host
+    return "\n".join(lines) + f"\n(GiB per rank; {memory_gib:g} GiB per device; mbs: micro-batch size{memory})"
 
 
-def verdict(rows: list[Row], memory_gib: float) -> str:
+def verdict(rows: list[Row], memory_gib: float, host_gib: float = float("inf")) -> str:
+    """`host_gib`: the host memory of one rank (its node's, shared by the node's ranks)."""
     fitting = [r for r in rows if r.fits]
     if not fitting:
-        smallest = min(rows, key=lambda r: r.total_gib)
+        smallest = min(rows, key=lambda r: max(r.total_gib / memory_gib, r.host_gib / host_gib))
+        host = f" and {smallest.host_gib:.2f} GiB of host memory (offload {smallest.offload}; the host has " \
+               f"{host_gib:.0f} per rank)" * (smallest.offload != "none")
         return (f"plan: fits nowhere: the smallest layout ({smallest.layout}, activation_checkpoint "
                 f"{smallest.activation_checkpoint}, micro-batch {smallest.micro_batch_size}) needs "
-                f"{smallest.total_gib:.2f} GiB per rank, the device has {memory_gib:g}; needed: more memory, more "
+                f"{smallest.total_gib:.2f} GiB per rank{host}, the device has {memory_gib:g}; needed: more memory, more "
                 "ranks, or a smaller micro_batch_size / seq_len")
     top = fitting[0]
     others = [r for r in fitting[1:] if r.layout != top.layout]
@@ -159,8 +169,9 @@ def verdict(rows: list[Row], memory_gib: float) -> str:
     plain = [r for r in rows if r.layout == top.layout and r.activation_checkpoint == "none"]
     recompute = "" if top.activation_checkpoint == "none" or not plain or any(r.fits for r in plain) else \
         f"; without activation checkpointing it needs {min(r.total_gib for r in plain):.2f} GiB"
+    offload = f", offload {top.offload} ({top.host_gib:.2f} GiB of host memory per rank)" * (top.offload != "none")
     return (f"plan: best: {top.layout}, activation_checkpoint {top.activation_checkpoint}, micro-batch "
-            f"{top.micro_batch_size}: {reason}{recompute}")
+            f"{top.micro_batch_size}{offload}: {reason}{recompute}")
 
 
 def without(argv: list[str], names: set[str]) -> list[str]:
@@ -181,7 +192,7 @@ def launch_command(row: Row, train_argv: list[str], world: int, node_size: int) 
     The row's own options replace any the plan was given (each option once)."""
     degrees = dict(part.split("=") for part in row.layout.split(","))
     mine = {f"--parallelism.{name}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "cp_kind",
-                                                  "cp_ulysses")} | {"--activation_checkpoint.mode"}
+                                                  "cp_ulysses")} | {"--activation_checkpoint.mode", "--training.offload"}
     if row.micro_batch_size and degrees.get("pp") == "1":
         mine.add("--training.micro_batch_size")
     options = [*without(train_argv, mine), *(f"--parallelism.{name} {degrees.get(name, '1')}"
@@ -190,6 +201,8 @@ def launch_command(row: Row, train_argv: list[str], world: int, node_size: int) 
                f"--activation_checkpoint.mode {row.activation_checkpoint}"]
     if row.micro_batch_size and degrees.get("pp") == "1":
         options.append(f"--training.micro_batch_size {row.micro_batch_size}")
+    if row.offload != "none":
+        options.append(f"--training.offload {row.offload}")
     text = " ".join(o if o.startswith("--") and " " in o else shlex.quote(o) for o in options)
     if world <= node_size:
         return f"plait train --nproc {world} {text}"
@@ -200,8 +213,9 @@ def launch_command(row: Row, train_argv: list[str], world: int, node_size: int) 
 def main(argv: list[str]) -> int:
     own, rest = split_argv(argv)
     opts = parse(PlanArgs, own, "plait plan")
-    if opts.world < 1 or opts.device_memory_gib <= 0 or opts.node_size < 1 or opts.top < 0:
-        raise ConfigError("world / device_memory_gib / node_size / top: must be >= 1 / > 0 / >= 1 / >= 0")
+    if opts.world < 1 or min(opts.device_memory_gib, opts.host_memory_gib) <= 0 or opts.node_size < 1 or opts.top < 0:
+        raise ConfigError("world / device_memory_gib, host_memory_gib / node_size / top: must be >= 1 / > 0 / >= 1 / "
+                          ">= 0")
     if not opts.calibration and opts.device not in (*DATA_SHEETS, "cpu"):
         raise ConfigError(f"device: {opts.device!r} unknown; allowed: {', '.join([*DATA_SHEETS, 'cpu'])}")
     base = parse_args(rest, prog="plait plan")
@@ -211,7 +225,7 @@ def main(argv: list[str]) -> int:
     if cal.short:  # a doctor's file from too short a budget: its speeds understate the device
         print(f"plan: warning: calibration {opts.calibration}: matmuls measured {cal.short}: the speeds below "
               "understate the device; rerun plait doctor with a longer --budget_seconds", file=sys.stderr)
-    rows, refused = predict(base, args, opts.world, opts.device_memory_gib, cal, opts.node_size)
+    rows, refused = predict(base, args, opts.world, opts.device_memory_gib, cal, opts.node_size, opts.host_memory_gib)
     if not rows:
         reasons = "; ".join(sorted(set(refused.values())))
         raise ConfigError(f"world: no layout of {opts.world} ranks can run this job: {reasons}")
@@ -234,7 +248,7 @@ def main(argv: list[str]) -> int:
         if len(shown) < len(rows):
             print(f"({len(rows) - len(shown)} more rows: --top 0 prints them all)")
     out = sys.stderr if opts.json else sys.stdout
-    print(verdict(rows, opts.device_memory_gib), file=out)
+    print(verdict(rows, opts.device_memory_gib, opts.host_memory_gib / min(opts.world, opts.node_size)), file=out)
     if command:
         print(f"plan: run it: {command}", file=out)
     return 0 if best else 1

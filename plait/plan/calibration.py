@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.config import ConfigError
 from plait.hardware import GPU_PEAK_TFLOPS, device_name, native_bf16
+from plait.plan.host import measure_host
 
 Curve = list[tuple[float, float]]  # (size, rate) points, sizes ascending
 
@@ -62,6 +63,10 @@ class Calibration:
     """dtype -> bytes/s of element-wise work measured in a block of the job's model (else `memory`, as on GPUs)"""
     short: str = ""
     """the matmul curves a short budget stopped before their largest size (their speeds understate the device)"""
+    host_link: float = 0.0
+    """bytes/s of one rank's copies between pinned host memory and its GPU, the slower way (0: unknown, or a CPU)"""
+    host_step: float = 0.0
+    """parameters/s a node's host clips and steps with fused AdamW, its ranks together (plait/plan/host.py)"""
 
     def compute_bytes(self, param: str) -> int:
         """Bytes per element of the compute dtype `training.mixed_precision_param` asks for here."""
@@ -110,6 +115,9 @@ DATA_SHEETS = {
     "b200": ("B200", "B200", 8.0, 900.0, 100.0),
 }
 MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.7, 0.8, 0.8
+# The host of an 8-GPU node: PCIe Gen5 x16 per GPU (GB/s each way), and DDR5 over two sockets (GB/s) shared by
+# the ranks on the node, which step AdamW at 40 bytes a parameter (plait/plan/speed.py's ADAMW_BYTES).
+PCIE_GBPS, HOST_MEMORY_GBPS, HOST_STEP_BYTES = 64.0, 600.0, 40
 FLOAT8_SPEEDUP = 2  # dense float8 TFLOP/s over bf16's on every data sheet here (H100 SXM: 1979 / 989.5)
 GPU_OP_SECONDS, GPU_LATENCY = 8e-6, 10e-6
 # gloo between processes of one host, where no doctor measured it: bus bandwidth and latency.
@@ -141,11 +149,13 @@ def data_sheet(name: str) -> Calibration:
     return Calibration(device=label, source=f"{label} data sheet: {bf16:g} bf16 / {fp32:g} fp32 / "
                        f"{FLOAT8_SPEEDUP * bf16:g} float8 TFLOP/s, HBM "
                        f"{hbm:g} TB/s, NVLink {nvlink:g} GB/s, network {network:g} GB/s per GPU; assumed: matmuls "
-                       f"{MATMUL_EFFICIENCY:.0%} of peak, memory {MEMORY_EFFICIENCY:.0%}, links {LINK_EFFICIENCY:.0%}",
+                       f"{MATMUL_EFFICIENCY:.0%} of peak, memory {MEMORY_EFFICIENCY:.0%}, links {LINK_EFFICIENCY:.0%}; "
+                       f"host: PCIe {PCIE_GBPS:g} GB/s, {HOST_MEMORY_GBPS:g} GB/s of memory for 8 GPUs",
                        matmul={"bfloat16": curve(bf16), "float32": curve(fp32), "float8": curve(FLOAT8_SPEEDUP * bf16)},
                        memory=[(float(2**30), hbm * 1e12 * MEMORY_EFFICIENCY)], op_seconds=GPU_OP_SECONDS,
                        collectives=link(nvlink), inter_node=link(network), latency=GPU_LATENCY, asynchronous=True,
-                       peak={"bfloat16": bf16 * 1e12, "float32": fp32 * 1e12})
+                       peak={"bfloat16": bf16 * 1e12, "float32": fp32 * 1e12}, host_link=PCIE_GBPS * LINK_EFFICIENCY * GB,
+                       host_step=HOST_MEMORY_GBPS * MEMORY_EFFICIENCY * GB / HOST_STEP_BYTES)
 
 
 def synchronize(device: torch.device) -> None:
@@ -311,7 +321,7 @@ def measure_compute(device: torch.device, seconds: float) -> dict:
     return {"matmul": matmul, "memory": memory_curve(device, seconds * 0.2),
             "op_seconds": operator_seconds(device, seconds * 0.1),
             "cpu_share": 0.0 if device.type == "cuda" else float(torch.get_num_threads()),
-            "cores": local_cores()}
+            "cores": local_cores(), **measure_host(device, seconds * 0.1)}
 
 
 def here(seconds: float = 4.0) -> Calibration:
@@ -356,7 +366,8 @@ def doctor_calibration(device_label: str, compute: list[dict], network: dict, la
         memory=middle["memory"], op_seconds=middle["op_seconds"], collectives=within,
         inter_node=curves("world") if nodes > 1 else within, latency=latency, asynchronous=gpu,
         cpu_share=middle["cpu_share"], cores=middle["cores"], native_bf16=bf16,
-        peak={d: max(r for _, r in c) for d, c in middle["matmul"].items()}, short=short_curves(middle["matmul"], gpu)))
+        peak={d: max(r for _, r in c) for d, c in middle["matmul"].items()}, short=short_curves(middle["matmul"], gpu),
+        host_link=middle.get("host_link", 0.0), host_step=middle.get("host_step", 0.0) * world // nodes))
 
 
 def load(device: str, path: str) -> Calibration:

@@ -386,7 +386,7 @@ def buffer_bytes(args: ModelArgs, cfg: JobConfig, params: dict, e: int, tokens: 
     grouped = units(params)
     sizes = {u: gathered_elements(grouped[u], Layout(p.pp, p.dp_replicate, 1, p.tp, 1, p.ep)) for u in grouped}
     blocks = sorted((s for u, s in sizes.items() if u != "root"), reverse=True)
-    if p.dp_shard * p.cp > 1:
+    if p.dp_shard * p.cp > 1 or t.offload != "none":  # (offloaded, units reshard on one rank too)
         gathered = e * (sizes.get("root", 0) + sum(blocks[:2])) + 4 * (blocks[0] if blocks else 0)
     else:
         gathered = e * sum(sizes.values()) if e != 4 else 0

@@ -9,7 +9,7 @@ import copy
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.arguments import given_options
 from plait.checks import check_options
@@ -79,10 +79,11 @@ def layouts(world: int, args: ModelArgs, fixed: dict[str, int] | None = None,
     return found
 
 
-def job(cfg: JobConfig, layout: Layout, ac: str, micro_batch: int, world: int) -> JobConfig:
-    """`cfg` under `layout`, AC mode and micro-batch size (0: the whole local batch, a pipeline's
-    accumulation), validated as `plait train` would (ConfigError if it cannot run)."""
+def job(cfg: JobConfig, layout: Layout, ac: str, micro_batch: int, world: int, offload: str = "none") -> JobConfig:
+    """`cfg` under `layout`, AC mode, micro-batch size (0: the whole local batch, a pipeline's
+    accumulation) and offload, validated as `plait train` would (ConfigError if it cannot run)."""
     cfg = copy.deepcopy(cfg)
+    cfg.training.offload = offload
     p = cfg.parallelism
     p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp,
                                                           layout.cp, layout.ep)
@@ -110,6 +111,8 @@ class Row:
     communication_seconds: float  # what does not hide behind compute
     tokens_per_second_per_device: float
     mfu: float
+    offload: str = "none"  # training.offload
+    host_gib: float = 0.0  # what offloading keeps in host memory instead, per rank
 
 
 def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
@@ -130,8 +133,9 @@ def check_layout(args: ModelArgs, cfg: JobConfig) -> None:
 
 
 def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, cal: Calibration,
-                node_size: int) -> Row:
-    """One validated job's row: its largest pipeline rank's memory, its slowest rank's step."""
+                node_size: int, host_memory_gib: float = float("inf")) -> Row:
+    """One validated job's row: its largest pipeline rank's memory, its slowest rank's step. It fits
+    when that rank's device memory does, and offloaded, when a node's ranks fit `host_memory_gib`."""
     from plait.parallel.stages import microbatches
 
     p, t = cfg.parallelism, cfg.training
@@ -145,14 +149,15 @@ def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, 
         pipeline_split = 1 if stages is None else microbatches(cfg)
         tokens = t.seq_len * t.micro_batch_size // pipeline_split
         state = state_bytes(params, layout, cfg.optimizer.name, cfg.training.ema > 0) / GIB
+        host = state if t.offload != "none" else 0.0  # (all of it: shards, gradients, moments, the average)
         activations = activation_bytes(args, cfg, stages, e) / GIB
         buffers = buffer_bytes(args, cfg, params, e, tokens) / GIB
-        if largest is None or state + activations + buffers > sum(largest[:3]):
-            largest = (state, activations, buffers, comm)
+        if largest is None or state - host + activations + buffers > sum(largest[:3]):
+            largest = (state - host, activations, buffers, comm, host)
         timing = step_time(args, cfg, world, stages, comm, e, cal, node_size)
         if slowest is None or timing.seconds > slowest.seconds:
             slowest = timing
-    state, activations, buffers, comm = largest
+    state, activations, buffers, comm, host = largest
     by_collective = Counter()
     for (phase, kind, _), n in comm.items():
         by_collective[f"{phase} {kind}"] += n
@@ -160,9 +165,10 @@ def predict_job(args: ModelArgs, cfg: JobConfig, world: int, memory_gib: float, 
     peak = cal.peak.get("bfloat16" if e == 2 else "float32", 0.0) * cal.scale(share(cfg, world, node_size, cal))
     mfu = model_flops(args, t.seq_len) * per_device / peak if peak else 0.0
     total = state + activations + buffers
+    fits = total <= memory_gib and host * min(world, node_size) <= host_memory_gib
     return Row(str(layout), cfg.activation_checkpoint.mode, t.micro_batch_size, state, activations, buffers, total,
-               sum(comm.values()), dict(by_collective), total <= memory_gib, slowest.seconds, slowest.compute,
-               slowest.optimizer, slowest.communication, per_device, mfu)
+               sum(comm.values()), dict(by_collective), fits, slowest.seconds, slowest.compute,
+               slowest.optimizer, slowest.communication, per_device, mfu, t.offload, host)
 
 
 @functools.cache
@@ -181,23 +187,38 @@ def micro_batches(cfg: JobConfig, layout: Layout) -> list[int]:
 
 
 def predict(base: JobConfig, args: ModelArgs, world: int, memory_gib: float, cal: Calibration,
-            node_size: int) -> tuple[list[Row], dict[str, str]]:
+            node_size: int, host_memory_gib: float = float("inf")) -> tuple[list[Row], dict[str, str]]:
     """Rows for every runnable layout x AC mode x micro-batch, best first; and why each other layout cannot run."""
     rows, refused = [], {}
     p = base.parallelism
+    offloads = offload_choices(base, cal)
     # (a cp_kind asked for is kept; the default, allgather, is searched beside ulysses and hybrid)
     kinds = (p.cp_kind,) if p.cp_kind != CP_KINDS[0] else CP_KINDS
     for layout in layouts(world, args, fixed_degrees(base, world), kinds):
         for micro_batch in micro_batches(base, layout):
             for ac in AC_MODES:
                 try:
-                    cfg = job(base, layout, ac, micro_batch, world)
-                    check_layout(args, cfg)
+                    jobs = [job(base, layout, ac, micro_batch, world, offload) for offload in offloads]
+                    check_layout(args, jobs[0])
                 except ConfigError as error:
                     refused[str(layout)] = str(error)
                     break
-                rows.append(predict_job(args, cfg, world, memory_gib, cal, node_size))
+                rows += [predict_job(args, cfg, world, memory_gib, cal, node_size, host_memory_gib) for cfg in jobs]
     # Ties go to the layout that recomputes least, then to the smaller footprint.
     rows.sort(key=lambda r: (not r.fits, r.step_seconds, AC_MODES.index(r.activation_checkpoint), r.total_gib))
     return rows, refused
+
+
+def offload_choices(base: JobConfig, cal: Calibration) -> tuple[str, ...]:
+    """training.offload as the job gives it; else both, where the calibration knows the host's link
+    to a GPU and the job's options allow offloading (`check_offload`)."""
+    from plait.parallel.data_parallel import check_offload
+
+    if "training.offload" in given_options(base) or not cal.host_link:
+        return (base.training.offload,)
+    try:
+        check_offload(replace(base, training=replace(base.training, offload="optimizer")))
+    except ConfigError:
+        return ("none",)
+    return ("none", "optimizer")
 

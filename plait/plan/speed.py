@@ -186,7 +186,8 @@ def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: 
     full = {u: gathered_elements(unit, layout) for u, unit in grouped.items()}
     elements = sum(full.values())
     autocast = t.mixed_precision_mode == "autocast"
-    one_device = world == 1 and t.mixed_precision_reduce == "float32" and not float8.microscaling(t.float8)
+    one_device = world == 1 and t.mixed_precision_reduce == "float32" and not float8.microscaling(t.float8) and \
+        t.offload == "none"
     nbytes = passes * (6 + 6) * elements if e == 2 and (one_device or autocast) else 0.0
     if not one_device:
         gather = 4 if autocast else e
@@ -197,10 +198,14 @@ def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: 
     return nbytes / cal.elementwise_rate(dtype_name(e), nbytes, cores)
 
 
-def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal: Calibration, cores: float) -> float:
+def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal: Calibration, cores: float,
+                      ranks_here: int = 1) -> float:
+    """AdamW's (or Muon's) step of a rank's shards; offloaded, by its share of the node's host (`ranks_here`)."""
     p = cfg.parallelism
     layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
     elements = sum(math.ceil(r / layout.shard) * c for r, c in (local_rows_cols(n, s, layout) for n, s in params.items()))
+    if cfg.training.offload != "none":  # the host clips and steps its shards (AdamW alone: start-up refuses Muon)
+        return elements * ranks_here / cal.host_step
     # (it streams through every state tensor in turn: the speed of the whole state's size, not one tensor's)
     seconds = ADAMW_BYTES * elements / cal.bandwidth(ADAMW_BYTES * elements, cores)
     if cfg.optimizer.name == "muon":  # 5 Newton-Schulz iterations, each 2 n^2 m + 2 n^3 x 2 FLOPs, on each matrix
@@ -210,6 +215,22 @@ def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal
                 flops = 5 * 2 * (2 * n * n * m + n**3) / layout.shard
                 seconds += flops / cal.rate("float32", flops, cores)
     return seconds + 3 * len(params) * cal.op_seconds * (not cal.asynchronous)
+
+
+def host_copy_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, passes: int,
+                      cal: Calibration) -> float:
+    """Offloaded, each gather first copies its unit's fp32 shard from host memory to the device (as
+    often as `parameter_copy_seconds` counts gathers), and each reduce-scatter's fp32 output goes
+    back once a step; both at the host link's speed, on the streams that overlap compute."""
+    if cfg.training.offload == "none":
+        return 0.0
+    p = cfg.parallelism
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
+    grouped = units(rank_parameters(args, cfg, stages))
+    full = {u: gathered_elements(unit, layout) for u, unit in grouped.items()}
+    again = [u for u in grouped if u != "root"][:-1] if stages is None else []  # re-gathered in backward
+    gathers = passes * (sum(full.values()) + sum(full[u] for u in again)) if stages is None else sum(full.values())
+    return 4 * (gathers + sum(full.values())) / layout.shard / cal.host_link
 
 
 def collective_seconds(comm: Counter, cfg: JobConfig, calls: dict[str, int], node_size: int,
@@ -266,10 +287,11 @@ def step_time(args: ModelArgs, cfg: JobConfig, world: int, stages: list[int] | N
         compute *= 1 + (p.pp - 1) / (passes * stages_per_rank(cfg))
     compute += parameter_copy_seconds(args, cfg, world, stages, e, passes, cal, cores)
     params = rank_parameters(args, cfg, stages)
-    optimizer = optimizer_seconds(args, cfg, params, e, cal, cores)
+    optimizer = optimizer_seconds(args, cfg, params, e, cal, cores, min(world, node_size))
     by_dim = collective_seconds(comm, cfg, call_counts(args, cfg, stages, passes), node_size, cal)
     critical = sum(s for dim, s in by_dim.items() if dim in CRITICAL)
     overlapping = sum(s for dim, s in by_dim.items() if dim not in CRITICAL)
+    overlapping += host_copy_seconds(args, cfg, stages, passes, cal)
     exposed = critical + (max(0.0, overlapping - compute) if cal.asynchronous else overlapping)
     return StepTime(compute, optimizer, exposed, compute + optimizer + exposed)
 
