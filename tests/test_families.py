@@ -128,14 +128,16 @@ ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
 
-def make_hf_model(family: str):
+def make_hf_model(family: str, **change):
     """A random model as transformers initialises it, with its biases and norm weights drawn
-    away from 0 and 1: a bias or norm weight mapped to the wrong place must show."""
+    away from 0 and 1: a bias or norm weight mapped to the wrong place must show. (`change`: fields
+    other than CONFIGS'.)"""
     torch.manual_seed(0)
     name, fields = CONFIGS[family]
     # (Qwen3.5-MoE's config class has no intermediate_size: every block sparse)
     sizes = {k: v for k, v in BASE.items() if not (k == "intermediate_size" and family == "qwen3_5_moe_text")}
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(sizes | fields))).eval()
+    config = getattr(transformers, name)(**(sizes | fields | change))
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias"):
@@ -258,6 +260,97 @@ def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, f
     if set(MROPE) <= source_config["rope_parameters"].keys():
         kept = hf_config(model.args, torch.float32, None, 0, source_config)["rope_scaling"]
         assert {k: kept[k] for k in MROPE} == {k: source_config["rope_parameters"][k] for k in MROPE}
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
+def test_a_qwen_hybrids_mtp_module_is_read_trained_as_vllm_runs_it_and_written_back(folders, tmp_path, family):
+    """The MTP module of Qwen3-Next's and Qwen3.5's folders (`mtp.*`, which transformers leaves
+    unread): vLLM's and SGLang's qwen3_next_mtp run fc([pre_fc_norm_embedding(embedding of t+1);
+    pre_fc_norm_hidden(the model's output after its final norm)]) through one more full-attention
+    block (gated, a quarter of each head rotated; experts where the model has them), then mtp.norm
+    and the shared lm_head. The reference here is that, built of transformers' own modules: the
+    block is the last of a model one block deeper (as transformers initialises and saves it). A
+    folder holding `mtp.*` without a config field is read with one module; plait's MTP loss and its
+    gradient equal the reference's (fp32: the loss within 2 ulps, the gradient within 1e-5 of its
+    norm, as the model's own above); export writes the folder's tensors back bitwise; transformers
+    reads the folder; `--model.mtp_layers 0` leaves the module out."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from plait import hf
+    from plait.hf.weights import write_weights
+
+    base = make_hf_model(family)
+    types = [*base.config.layer_types, "full_attention"]
+    deeper = make_hf_model(family, num_hidden_layers=len(types), layer_types=types)
+    block = deeper.model.layers[len(types) - 1]
+    dim, norm_class = base.config.hidden_size, type(base.model.norm)
+    torch.manual_seed(2)
+    fc = torch.nn.Linear(2 * dim, dim, bias=False)
+    norms = {name: norm_class(dim, eps=base.config.rms_norm_eps) for name in ("pre_fc_norm_embedding",
+                                                                             "pre_fc_norm_hidden", "norm")}
+    with torch.no_grad():
+        for norm in norms.values():
+            norm.weight.uniform_(-0.5, 0.5)  # (zero-centred gains 0.5 to 1.5)
+
+    def mtp_tensors(model_dir) -> dict:
+        """The module's tensors on disk (the deeper model's last block saved by transformers, renamed)."""
+        deeper.save_pretrained(model_dir)
+        last = f"model.layers.{len(types) - 1}."
+        saved = {f"mtp.layers.0.{k.removeprefix(last)}": t for k, t in load_file(model_dir / "model.safetensors").items()
+                 if k.startswith(last)}
+        return saved | {"mtp.fc.weight": fc.weight.detach().clone()} | {
+            f"mtp.{name}.weight": norm.weight.detach().clone() for name, norm in norms.items()}
+
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(folders(family), folder)
+    on_disk = load_file(folder / "model.safetensors") | mtp_tensors(tmp_path / "deeper")
+    save_file(on_disk, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    ours, weights = plait_model(folder)
+    assert ours.args.mtp_layers == 1 and ours.args.mtp_after_norm
+    tokens = torch.randint(0, VOCAB, (2, 34), generator=torch.Generator().manual_seed(1))
+    inputs, following, targets = tokens[:, :32], tokens[:, 1:33], tokens[:, 2:34]
+    ours.train().mtp_scale = 1.0
+    (ours(inputs, labels=following, next_tokens=(following, targets)) +
+     0 * sum(p.sum() for p in ours.parameters())).backward()  # (an expert no token chose: a zero gradient)
+    measured = ours.mtp_records[-1]
+
+    hidden = base.model(inputs).last_hidden_state  # (after the model's final norm)
+    x = fc(torch.cat([norms["pre_fc_norm_embedding"](base.model.embed_tokens(following)),
+                      norms["pre_fc_norm_hidden"](hidden)], -1))
+    positions = torch.arange(32)[None]
+    x = block(x, position_embeddings=base.model.rotary_emb(x, positions), position_ids=positions)
+    logits = base.lm_head(norms["norm"](x))
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / 64
+    reference.backward()
+    print(f"\n{family}: MTP loss {measured.item():.6f}, vLLM's way with transformers' modules {reference.item():.6f}")
+    assert abs(measured.item() - reference.item()) <= 2e-6
+
+    with torch.no_grad():  # (the reference's gradients on disk as the module's tensors, read by plait's reader)
+        for p in [*block.parameters(), fc.weight, *(n.weight for n in norms.values())]:
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    gradients = tmp_path / "gradients"
+    shutil.copytree(folder, gradients)
+    save_file(on_disk | mtp_tensors(tmp_path / "deeper_gradients"), str(gradients / "model.safetensors"),
+              metadata={"format": "pt"})
+    theirs = hf.HFWeights(gradients, ours.args, "gradients")
+    names = [name for name, _ in ours.named_parameters() if name.startswith("mtp.")]
+    grads = dict(ours.named_parameters())
+    difference = torch.stack([(grads[n].grad - theirs[n]).norm() for n in names]).norm()
+    assert difference <= 1e-5 * torch.stack([theirs[n].norm() for n in names]).norm()
+
+    out = tmp_path / "export"
+    write_weights(dict(weights.items()) | weights.buffers, ours.args, out, torch.float32, 1 << 30)
+    written = load_file(out / "model.safetensors")
+    assert written.keys() == on_disk.keys() and all(torch.equal(written[k], on_disk[k]) for k in on_disk)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs).logits, base(inputs).logits)
+    without = replace(ours.args, mtp_layers=0)  # (--model.mtp_layers 0: the folder's module left unread)
+    assert "mtp.fc.weight" not in hf.weights.hf_names("layers.0.attention_norm.weight", without)
+    assert len(hf.HFWeights(folder, without, "checkpoint.load")) == len(list(ours.parameters())) - len(names)
 
 
 def test_a_trained_and_exported_folder_keeps_its_family_config_and_tokenizer_files(folders, tmp_path):

@@ -25,7 +25,7 @@ from plait.hf.fields import Fields, family_fields
 from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
 from plait.hf.hybrid import (QWEN_HYBRIDS, kept_multimodal_rope, olmo_hybrid_fields, olmo_hybrid_switches,
-                             qwen_hybrid_fields, qwen_hybrid_switches, rope_off)
+                             qwen_hybrid_fields, qwen_hybrid_switches, qwen_mtp_name, rope_off)
 from plait.hf.llama4 import llama4_fields, llama4_switches
 from plait.hf.rope_fields import LAYERED, layered_rope_settings, rope_fields, rope_settings, rotary_fraction
 from plait.models.args import ModelArgs
@@ -208,8 +208,9 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                  tie_embeddings=fields.flag("tie_word_embeddings"), family=family, **local_rope)
     # (a family's switches may say a size its own way: Llama 4's dense blocks are intermediate_size_mlp wide)
     args = ModelArgs(**shape | family_switches(fields, family, n_layers))
-    # DeepSeek-V3's MTP module, where the folder holds its weights (transformers' saves do not)
-    return replace(args, mtp_layers=args.mtp_layers * holds_mtp(folder, args.n_layers)) if args.mtp_layers else args
+    # The MTP module (DeepSeek-V3's, the Qwen hybrids'), where the folder holds its weights (transformers' saves do not)
+    probe = qwen_mtp_name(f"model.layers.{args.n_layers}.eh_proj.weight", args)
+    return replace(args, mtp_layers=args.mtp_layers * holds_mtp(folder, probe)) if args.mtp_layers else args
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,

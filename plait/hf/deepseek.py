@@ -61,10 +61,9 @@ def grouped_router_switches(fields: Fields) -> dict:
             "dense_layers": tuple(range(fields.integer("first_k_dense_replace", minimum=0)))}
 
 
-def holds_mtp(folder: Path, n_layers: int) -> bool:
-    """Whether a folder's weights include the MTP module (`model.layers.<n_layers>.eh_proj`): from
-    the index, or the safetensors headers (no tensor is read)."""
-    name = f"model.layers.{n_layers}.eh_proj.weight"
+def holds_mtp(folder: Path, name: str) -> bool:
+    """Whether a folder's weights include the MTP module (its tensor `name`: DeepSeek-V3's
+    `model.layers.<n_layers>.eh_proj.weight`): from the index, or the safetensors headers (no tensor is read)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:

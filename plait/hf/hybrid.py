@@ -25,6 +25,8 @@ head's query and then its output gate. OLMo hybrid's conv1d is three tensors on 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from plait.config import ConfigError
@@ -33,7 +35,12 @@ from plait.models.args import ModelArgs
 
 # The Qwen hybrids' model types, and their switches: their config.json cannot turn them off
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": True}
+QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": True, "mtp_after_norm": True}
+# Their MTP module (vLLM's and SGLang's qwen3_next_mtp / qwen3_5_mtp; transformers leaves it unread): how many,
+# by config.json's field, and its tensors at the folder's top, beside the model's
+MTP_FIELDS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_text": "mtp_num_hidden_layers",
+              "qwen3_5_moe_text": "mtp_num_hidden_layers"}
+MTP_OWN = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "shared_head.norm": "norm"}
 HYBRIDS = (*QWEN_HYBRIDS, "olmo_hybrid")
 LINEAR_TYPES = "a list of full_attention and linear_attention"
 
@@ -49,8 +56,12 @@ def qwen_hybrid_switches(fields: Fields, family: str, n_layers: int) -> dict:
     key_heads, value_heads = fields.integer("linear_num_key_heads"), fields.integer("linear_num_value_heads")
     if value_heads % key_heads:
         fields.refuse("linear_num_value_heads", f"a multiple of linear_num_key_heads {key_heads}")
+    # (one MTP module where the field is left out: the released folders hold one; plait reads it where present)
+    mtp = fields.integer(MTP_FIELDS[family], minimum=0) if fields.has(MTP_FIELDS[family]) else 1
+    if mtp > 1:
+        fields.refuse(MTP_FIELDS[family], "0 or 1", " (plait trains one MTP module)")
     switches = QWEN3_NEXT | {
-        "linear_layers": tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        "mtp_layers": mtp, "linear_layers": tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
         "linear_key_heads": key_heads, "linear_value_heads": value_heads,
         "linear_key_dim": fields.integer("linear_key_head_dim"),
         "linear_value_dim": fields.integer("linear_value_head_dim"),
@@ -179,7 +190,7 @@ def qwen_hybrid_fields(args: ModelArgs) -> dict:
               "linear_num_key_heads": args.linear_key_heads, "linear_num_value_heads": args.linear_value_heads,
               "linear_key_head_dim": args.linear_key_dim, "linear_value_head_dim": args.linear_value_dim,
               "linear_conv_kernel_dim": args.linear_conv, "attention_bias": args.qkv_bias,
-              "partial_rotary_factor": args.rope_dim / args.head_dim}
+              "partial_rotary_factor": args.rope_dim / args.head_dim, MTP_FIELDS[args.family]: args.mtp_layers}
     if args.family == "qwen3_5_moe_text":  # (its config class has no intermediate_size, sparse step or norm_topk_prob)
         return fields | {"num_experts": args.n_experts, "num_experts_per_tok": args.top_k,
                          "moe_intermediate_size": args.moe_hidden,
@@ -261,6 +272,17 @@ OLMO_ATTENTION_NAMES = {"attention_norm.weight": "feedforward_layer_norm.weight"
 SHARED_EXPERT = {"feed_forward.shared.w1": "mlp.shared_expert.gate_proj", "feed_forward.shared.w3":
                  "mlp.shared_expert.up_proj", "feed_forward.shared.w2": "mlp.shared_expert.down_proj",
                  "feed_forward.shared_gate": "mlp.shared_expert_gate"}
+
+
+def qwen_mtp_name(name: str, args: ModelArgs) -> str:
+    """A Qwen hybrid's name on disk for a tensor plait's naming puts in the layers after the model's
+    (`model.layers.<n_layers + k>.`, DeepSeek-V3's way): its MTP module's, at the folder's top
+    (`mtp.fc`, `mtp.layers.<k>.`...). Other names as they are."""
+    layer = re.match(r"model\.layers\.(\d+)\.(.+)", name)
+    if args.family not in QWEN_HYBRIDS or layer is None or int(layer.group(1)) < args.n_layers:
+        return name
+    k, (module, kind) = int(layer.group(1)) - args.n_layers, layer.group(2).rsplit(".", 1)
+    return f"mtp.{MTP_OWN[module]}.{kind}" if module in MTP_OWN else f"mtp.layers.{k}.{layer.group(2)}"
 
 
 def holder(args: ModelArgs, block: int, rest: str) -> tuple[str, tuple[str, ...], tuple[int, ...], int] | None:

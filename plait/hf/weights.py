@@ -72,7 +72,8 @@ from plait.config import ConfigError
 from plait.file_names import first_stray
 from plait.hf.config import describe_difference
 from plait.hf.config import model_args as hf_model_args
-from plait.hf.hybrid import HYBRIDS, QWEN_HYBRIDS, fused_part, fused_whole, holder, hybrid_name, on_disk
+from plait.hf.hybrid import (HYBRIDS, QWEN_HYBRIDS, fused_part, fused_whole, holder, hybrid_name, on_disk,
+                             qwen_mtp_name)
 from plait.models.args import ModelArgs
 
 LAYER_NAMES = {
@@ -128,7 +129,11 @@ def mtp_as_layer(name: str, args: ModelArgs) -> str:
 
 def hf_names(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face tensors of a plait parameter: one, or an expert tensor's E slices."""
-    name = mtp_as_layer(name, args)
+    return [qwen_mtp_name(hf, args) for hf in layer_names(mtp_as_layer(name, args), args)]
+
+
+def layer_names(name: str, args: ModelArgs) -> list[str]:
+    """`hf_names` with an MTP module's as a layer after the model's (DeepSeek-V3's way)."""
     if (held := held_with_others(name, args)) is not None:
         return on_disk(args, held[0])
     index, rest = LAYER.match(name).groups() if name not in TOP_NAMES else (None, "")
@@ -193,13 +198,14 @@ def fused_merged(state_dict: dict[str, torch.Tensor], name: str, family: str) ->
 
 def held_with_others(name: str, args: ModelArgs) -> tuple[str, list[str], tuple[int, ...], int] | None:
     """The hybrids: the tensor on disk that holds plait's `name` with others (plait/hf/hybrid.py),
-    their names, their rows per group and the groups; None elsewhere."""
-    layer = LAYER.match(name)
+    their names (as `name` is named: an MTP block's too), their rows per group and the groups; None elsewhere."""
+    layer = LAYER.match(mtp_as_layer(name, args))
     held = holder(args, int(layer.group(1)), layer.group(2)) if layer and args.family in HYBRIDS else None
     if held is None:
         return None
-    whole, names, rows, groups = held
-    return f"model.layers.{layer.group(1)}.{whole}", [f"layers.{layer.group(1)}.{n}" for n in names], rows, groups
+    (whole, names, rows, groups), block = held, int(layer.group(1))
+    prefix = f"mtp.{block - args.n_layers}.block." if block >= args.n_layers else f"layers.{block}."
+    return qwen_mtp_name(f"model.layers.{block}.{whole}", args), [prefix + n for n in names], rows, groups
 
 
 def rope_reordered(name: str, args: ModelArgs) -> bool:
@@ -252,7 +258,8 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
             tensors[hf] = piece.to(dtype).contiguous()
-    for k in range(args.mtp_layers):  # DeepSeek-V3's MTP layer holds copies of the embedding and output layer
+    for k in range(args.mtp_layers * (args.family not in QWEN_HYBRIDS)):  # DeepSeek-V3's MTP layer holds copies
+        # of the embedding and output layer
         tensors[f"model.layers.{args.n_layers + k}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[f"model.layers.{args.n_layers + k}.shared_head.head.weight"] = \
             tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).clone()
@@ -330,7 +337,8 @@ def no_weight(name: str, args: ModelArgs) -> bool:
     layer = LAYER.match(name.removeprefix("model."))
     return name.endswith(".rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight") or (
         args.family == "deepseek_v3" and layer is not None and int(layer.group(1)) >= args.n_layers) or (
-        args.family in QWEN_HYBRIDS and name.startswith("mtp."))  # (their MTP module, which transformers leaves too)
+        args.family in QWEN_HYBRIDS and name.startswith("mtp.") and not args.mtp_layers)  # (an MTP module the run
+    # leaves out, as transformers does)
 
 
 def parameter_shapes(args: ModelArgs) -> tuple[list[str], dict[str, torch.Size]]:

@@ -34,7 +34,7 @@ LLAMA4 = dict(norm_eps=1e-5, rope_theta=500000.0, n_shared_experts=1, router="si
 # Qwen3-Next's switches; the test sizes' heads (2 key heads of 16 to 4 value heads of 16)
 QWEN3_NEXT = dict(norm_eps=1e-6, head_dim=32, rotary_dim=8, qk_norm="head", zero_centered_norms=True,
                   attention_gate=True, linear_layers=(0,), linear_key_heads=2, linear_value_heads=4,
-                  linear_key_dim=16, linear_value_dim=16, family="qwen3_next")
+                  linear_key_dim=16, linear_value_dim=16, mtp_after_norm=True, family="qwen3_next")
 QWEN3_NEXT_MOE = QWEN3_NEXT | dict(n_shared_experts=1, shared_expert_gate=True)
 # OLMo hybrid's: OLMo 3's attention blocks, linear blocks that norm their inputs, the step doubled, Mamba's init
 OLMO_HYBRID = dict(qk_norm="projection", post_norm=True, linear_norm_eps=1e-5, linear_negative_eigenvalues=True,
@@ -189,7 +189,7 @@ FLAVORS = {
                                   linear_chunk=16, n_experts=8, top_k=2, moe_hidden=64, **QWEN3_NEXT_MOE),
     "qwen3_next_80b_a3b": ModelArgs(dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, vocab_size=151936,
                                     ffn_hidden=5632, max_seq_len=262144, rope_theta=10000000.0, n_experts=512,
-                                    top_k=10, moe_hidden=512, **QWEN3_NEXT_MOE | {
+                                    top_k=10, moe_hidden=512, mtp_layers=1, **QWEN3_NEXT_MOE | {
                                         "head_dim": 256, "rotary_dim": 64, "linear_layers": tuple(
                                             i for i in range(48) if i % 4 != 3), "linear_key_heads": 16,
                                         "linear_value_heads": 32, "linear_key_dim": 128, "linear_value_dim": 128}),
@@ -207,10 +207,10 @@ FLAVORS = {
     # Qwen3.5's language models, the shapes transformers' config classes name (Qwen3.5-9B, dense; and
     # Qwen3.5-35B-A3B, experts in every block): for plan
     "qwen3_5_9b": ModelArgs(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, vocab_size=248320, ffn_hidden=12288,
-                            max_seq_len=262144, rope_theta=10000000.0, **QWEN3_5),
+                            max_seq_len=262144, rope_theta=10000000.0, mtp_layers=1, **QWEN3_5),
     "qwen3_5_35b_a3b": ModelArgs(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, vocab_size=248320, ffn_hidden=512,
                                  max_seq_len=262144, rope_theta=10000000.0, n_experts=256, top_k=8, moe_hidden=512,
-                                 **QWEN3_5 | dict(n_shared_experts=1, shared_expert_gate=True,
+                                 mtp_layers=1, **QWEN3_5 | dict(n_shared_experts=1, shared_expert_gate=True,
                                                   linear_layers=tuple(i for i in range(40) if i % 4 != 3),
                                                   family="qwen3_5_moe_text")),
     # A CPU benchmark size (small_moe's width and experts) and its twin with grouped-query attention
