@@ -64,30 +64,39 @@ def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     return logits, compute, lse, torch.where(labels != IGNORE, lse - picked, 0.0), own, local
 
 
+def chunk_gradient(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard,
+                   divisor: torch.Tensor, z: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's summed loss, its summed lse^2 over the counted tokens (z-loss's), and d loss / d
+    logits = (softmax (1 + 2 z lse) - one-hot) / divisor on the counted tokens, computed in place of
+    the logits and returned in the compute dtype. Compiled (`OutputLoss.compile`), the logits' upcast,
+    log-sum-exp and gradient fuse into a few passes over the chunk's logits instead of about ten."""
+    logits, compute, lse, losses, own, local = _chunk_losses(hidden, weight, labels, shard)
+    counted = labels != IGNORE
+    grad = logits.sub_(lse[:, None]).exp_()
+    if z:
+        grad.mul_(1 + 2 * z * lse[:, None])
+    grad.scatter_add_(-1, local.clamp(0, grad.shape[-1] - 1)[:, None], -own[:, None].to(grad.dtype))
+    grad.mul_(counted[:, None] / divisor)
+    return losses.sum(), torch.where(counted, lse.square(), 0.0).sum(), grad.to(compute)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum(loss per token) / divisor, and the z-loss term z x sum(lse^2) / divisor (no gradient of
-    its own: its gradient is joined to the loss's), the gradients computed in forward chunk by chunk."""
+    its own: its gradient is joined to the loss's), the gradients computed in forward chunk by chunk
+    (`kernel`: `chunk_gradient`, or it compiled)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int,
-                chunk: int, shard: VocabShard, z: float) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, shard: VocabShard, z: float, kernel: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         total, squares = torch.zeros((), device=hidden.device), torch.zeros((), device=hidden.device)
+        divisor = torch.as_tensor(divisor, device=hidden.device)  # (a tensor: a compiled kernel guards no value)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None
         for start in range(0, len(hidden), chunk):
-            h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            logits, compute, lse, losses, own, local = _chunk_losses(h, weight, y, shard)
-            counted = y != IGNORE
-            total += losses.sum()
-            # d loss / d logits = (softmax (1 + 2 z lse) - one-hot) / divisor on the counted tokens,
-            # computed in place of the logits
-            grad = logits.sub_(lse[:, None]).exp_()
-            if z:
-                squares += torch.where(counted, lse.square(), 0.0).sum()
-                grad.mul_(1 + 2 * z * lse[:, None])
-            grad.scatter_add_(-1, local.clamp(0, grad.shape[-1] - 1)[:, None], -own[:, None].to(grad.dtype))
-            grad.mul_(counted[:, None] / divisor)
-            grad = grad.to(compute)
+            h = hidden[start:start + chunk]
+            chunk_loss, chunk_squares, grad = kernel(h, weight, labels[start:start + chunk], shard, divisor, z)
+            total += chunk_loss
+            squares += chunk_squares
             grad_hidden[start:start + chunk] = grad @ weight
             if grad_weight is None:
                 grad_weight = (grad.t() @ h).float()
@@ -104,7 +113,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _grad_z: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         # Not in place: the zero-bubble schedules run this backward twice (inputs', then weights').
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None, None
 
 
 def whole_logits_loss(logits: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | int | None, z: float
@@ -134,6 +143,12 @@ class OutputLoss(nn.Module):
         super().__init__()
         self.chunk, self.z_loss, self.z_records = chunk, 0.0, []
         self.shard = VocabShard()
+        self.kernel = chunk_gradient
+
+    def compile(self) -> None:
+        """Each chunk's logits, loss and gradient as one compiled graph (`compile.enable`; one per
+        chunk size: a batch's last chunk may be shorter)."""
+        self.kernel = torch.compile(chunk_gradient, fullgraph=True, dynamic=False)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 divisor: torch.Tensor | int | None = None, per_token: bool = False, z: bool = False) -> torch.Tensor:
@@ -148,7 +163,7 @@ class OutputLoss(nn.Module):
             if per_token:
                 raise ValueError("a loss per token is for evaluation: without gradient")
             loss, term = LinearCrossEntropy.apply(hidden, weight, labels, divisor, self.chunk, self.shard,
-                                                  self.z_loss if z else 0.0)
+                                                  self.z_loss if z else 0.0, self.kernel)
             if z and self.z_loss:
                 self.record(term)
             return loss
