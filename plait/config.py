@@ -41,7 +41,7 @@ class Model:
     tie_embeddings: bool = False
     """one matrix for the input embedding and the output layer (as Llama 3.2 1B/3B, SmolLM2)"""
     mtp_layers: int = -1
-    """multi-token prediction modules (DeepSeek-V3's; 0 or 1): from the last block's output and the embedding of
+    """multi-token prediction modules (DeepSeek-V3's; 0 or 1): from the model's normed output and the embedding of
     token t+1 one more block predicts token t+2, its loss weighted by training.mtp_loss_weight; -1 = the
     flavor's (1 for debug_mla and deepseek_v3_671b) or the Hugging Face folder's (when it holds the weights)"""
     attention_mask: Literal["document", "causal"] = "document"

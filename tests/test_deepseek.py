@@ -32,7 +32,8 @@ def mtp_model() -> Transformer:
 
 def test_mtp_loss_and_its_gradient_equal_a_per_token_reference():
     """At each position t of each sequence: the MTP module joins the RMSNorm of the embedding of
-    token t+1 and of the last block's output at t (that order: DeepSeek's eh_proj), runs its block
+    token t+1 and of the model's output at t after its final norm (that order: DeepSeek's eh_proj;
+    that output: the one vLLM, SGLang and Megatron-Core hand the module), runs its block
     over the sequence, and predicts token t+2 through its norm and the shared output layer. The
     loss is the sum over positions with a token t+2 divided by all positions; the gradient is that
     of loss + mtp_loss_weight x MTP loss."""
@@ -52,7 +53,7 @@ def test_mtp_loss_and_its_gradient_equal_a_per_token_reference():
     main = model(tokens, labels=labels)
     h, predictor = outputs["h"], model.mtp["0"]
     joined = torch.stack([torch.stack([predictor.eh_proj(torch.cat([
-        predictor.enorm(model.tok_embeddings.weight[labels[b, t]]), predictor.hnorm(h[b, t])]))
+        predictor.enorm(model.tok_embeddings.weight[labels[b, t]]), predictor.hnorm(model.norm(h[b, t]))]))
         for t in range(24)]) for b in range(2)])
     out = predictor.block(joined, model.rope)
     total = torch.zeros(())

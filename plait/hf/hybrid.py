@@ -35,7 +35,7 @@ from plait.models.args import ModelArgs
 
 # The Qwen hybrids' model types, and their switches: their config.json cannot turn them off
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": True, "mtp_after_norm": True}
+QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": True}
 # Their MTP module (vLLM's and SGLang's qwen3_next_mtp / qwen3_5_mtp; transformers leaves it unread): how many,
 # by config.json's field, and its tensors at the folder's top, beside the model's
 MTP_FIELDS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_text": "mtp_num_hidden_layers",

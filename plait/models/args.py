@@ -95,9 +95,8 @@ class ModelArgs:
     n_groups: int = 0
     topk_groups: int = 0
     # DeepSeek-V3's multi-token prediction: mtp_layers (0 or 1) more blocks after the last; from
-    # the last block's output and the embedding of token t+1 one predicts token t+2 (training only).
+    # the model's output after its final norm and the embedding of token t+1 one predicts token t+2 (training only).
     mtp_layers: int = 0
-    mtp_after_norm: bool = False  # (Qwen3-Next, Qwen3.5: from the last block's output after the final norm)
     # Hybrid linear attention (Qwen3-Next, Qwen3.5, OLMo hybrid; plait/models/linear_attention.py): the blocks in
     # linear_layers mix tokens by the gated delta rule, not attention: linear_key_heads query/key
     # heads of linear_key_dim, linear_value_heads value heads of linear_value_dim (a multiple of the

@@ -34,7 +34,7 @@ LLAMA4 = dict(norm_eps=1e-5, rope_theta=500000.0, n_shared_experts=1, router="si
 # Qwen3-Next's switches; the test sizes' heads (2 key heads of 16 to 4 value heads of 16)
 QWEN3_NEXT = dict(norm_eps=1e-6, head_dim=32, rotary_dim=8, qk_norm="head", zero_centered_norms=True,
                   attention_gate=True, linear_layers=(0,), linear_key_heads=2, linear_value_heads=4,
-                  linear_key_dim=16, linear_value_dim=16, mtp_after_norm=True, family="qwen3_next")
+                  linear_key_dim=16, linear_value_dim=16, family="qwen3_next")
 QWEN3_NEXT_MOE = QWEN3_NEXT | dict(n_shared_experts=1, shared_expert_gate=True)
 # OLMo hybrid's: OLMo 3's attention blocks, linear blocks that norm their inputs, the step doubled, Mamba's init
 OLMO_HYBRID = dict(qk_norm="projection", post_norm=True, linear_norm_eps=1e-5, linear_negative_eigenvalues=True,

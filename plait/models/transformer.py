@@ -53,11 +53,12 @@ class TransformerBlock(nn.Module):
 
 
 class TokenPredictor(nn.Module):
-    """DeepSeek-V3's multi-token prediction module: from a block output h_i and the embedding of
-    token t+1 it predicts token t+2 through one more block (`index`: its place after the
-    model's), the model's own embedding and output layer (shared, not copied):
-    block(eh_proj([enorm(embedding); hnorm(h)])), then `norm` before the output layer. (Qwen3-Next's
-    and Qwen3.5's, `mtp_after_norm`: h after the model's final norm, a full-attention block.)"""
+    """DeepSeek-V3's multi-token prediction module (GLM-4.5's, Qwen3-Next's and Qwen3.5's too): from
+    the model's output h_i after its final norm and the embedding of token t+1 it predicts token
+    t+2 through one more block (`index`: its place after the model's), the model's own embedding
+    and output layer (shared, not copied): block(eh_proj([enorm(embedding); hnorm(h)])), then
+    `norm` before the output layer. (h after the final norm: as vLLM, SGLang and Megatron-Core
+    hand it over, the checkpoints' modules trained on it.)"""
 
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
@@ -187,7 +188,7 @@ class Transformer(nn.Module):
         (so that the ranks of context parallelism, each a mean over its chunks, average to the
         sequence's loss)."""
         predictor = self.mtp["0"]
-        out = predictor(self.norm(h) if self.args.mtp_after_norm else h, self.embed(following), rope, mask)
+        out = predictor(self.norm(h), self.embed(following), rope, mask)
         loss = self.loss_of(predictor.norm(out), targets, divisor=targets.numel())
         if torch.compiler.is_compiling() or not in_backward():  # (once per step's forward, not in a recompute)
             self.mtp_records.append(loss.detach())

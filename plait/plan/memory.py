@@ -340,12 +340,13 @@ def _stage_activations(args: ModelArgs, cfg: JobConfig, blocks: range, last: boo
 
 def mtp_bytes(args: ModelArgs, cfg: JobConfig, tokens: int, e: int) -> int:
     """What a multi-token prediction module keeps (never checkpointed): its embedding's norm (the
-    fp32 embedding and normalised values, 1/rms), the last block output's norm (its normalised
-    values and 1/rms, and in bf16 its fp32 copy: the fp32 input is the final norm's too), eh_proj's
-    input (both norms' outputs joined), its block, and its output norm and loss as the model's
-    own. Under TP (with SP, as plan assumes) the norms and eh_proj run on the sequence shard."""
+    fp32 embedding and normalised values, 1/rms), the model's final norm run for it (its normalised
+    values and 1/rms, and in bf16 its fp32 copy: the fp32 input is the final norm's too), its
+    hidden norm over that (the fp32 input, normalised values, 1/rms), eh_proj's input (both norms'
+    outputs joined), its block, and its output norm and loss as the model's own. Under TP (with SP,
+    as plan assumes) the norms and eh_proj run on the sequence shard."""
     d, block, tp = args.dim, args.n_layers, cfg.parallelism.tp
-    own = (8 * d + 4) + (4 * d + 4 + 4 * d * (e != 4)) + 2 * e * d + (8 * d + 4)
+    own = (8 * d + 4) + (4 * d + 4 + 4 * d * (e != 4)) + (8 * d + 4) + 2 * e * d + (8 * d + 4)
     return tokens // tp * own + loss_bytes(args, cfg, tokens, e) + \
         block_activation_bytes(args, tokens, e, "none", tp, masked(cfg, args.own_mask(block, cfg.training.seq_len)),
                                cfg.parallelism.cp, args.sparse(block), ulysses_degree(cfg),
