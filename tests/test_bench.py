@@ -137,11 +137,12 @@ def test_bench_tables_a_compiled_column_and_the_framework_tax():
                "peak_tflops": {"float32": 0.1}}
     rows = [row("raw_pytorch", "raw loop", 100.0, 150.0), row("single", "single device", 98.0, 156.0),
             row("ddp", "DDP", 90.0)]
-    rows[1] |= {"float32_compiled_graph_breaks": 0, "float32_compiled_recompiles": 0}  # (plait's rows: its report)
+    rows[1] |= {"float32_compiled_graph_breaks": 0, "float32_compiled_recompiles": 0,  # (plait's rows: its report,
+                "float32_compiled_eager_fraction": 0.28}  # and its profiled step's time outside graphs)
     text = markdown({"settings": {"seq_len": 64, "global_batch_size": 4, "warmup": 2, "steps": 3, "compile": True},
                      "hardware": {"debug": machine}, "rows": rows, "state_ratios": []})
     assert "| layout | world | fp32 tok/s | compiled tok/s | MFU |" in text
-    assert "| single device | 1 | 98 | 156 (1.59x, 0 graph breaks, 0 recompiles) | n/a |" in text
+    assert "| single device | 1 | 98 | 156 (1.59x, 0 graph breaks, 0 recompiles, 28% eager) | n/a |" in text
     assert "| raw loop | 1 | 100 | 150 (1.50x) | n/a |" in text and "| DDP | 1 | 90 | - | n/a |" in text
     assert "framework tax: single device vs raw loop: 0.980x (float32), 1.040x (float32, compiled) tokens/s" in text
 

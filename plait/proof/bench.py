@@ -39,7 +39,7 @@ from plait.models.transformer import linear_weight_shapes
 from plait.proof.bench_rows import (ATTENTION_TWINS, COMPILABLE, DENSE_TWINS, ENVIRONMENT, PREDICTED, RAW,
                                    STATE_REFERENCES, Row, applies, gpus_missing, layouts)
 from plait.proof.bench_table import DTYPES, hardware_line, markdown
-from plait.proof.trace import idle_fractions, phase_seconds, summarise
+from plait.proof.trace import eager_fraction, idle_fractions, phase_seconds, summarise
 
 
 
@@ -118,8 +118,9 @@ def run_row(cfg: BenchConfig, flavor: str, key: str, world: int, flags: list[str
     measured = [r for r in rows if cfg.warmup < r["step"] <= cfg.steps]
     if compiled:
         return {"compiled_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
-                **({f"compiled_{k}": n for k, n in counts(rank_path(folder / "compile.json", 0)).items()}
-                   if key not in RAW else {})}  # (rank 0's graph breaks and recompiles after step 2)
+                **({f"compiled_{k}": n for k, n in counts(rank_path(folder / "compile.json", 0)).items()} |
+                   {"compiled_eager_fraction": eager_fraction(folder / "trace")}
+                   if key not in RAW else {})}  # (rank 0's graph breaks, recompiles after step 2, time outside graphs)
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in measured),
             # None where the peak proved untrustworthy (plait.metrics.logger.Utilisation): no number beats a wrong one.
             "mfu": None if None in (mfus := [r["mfu"] for r in measured]) else statistics.median(mfus),

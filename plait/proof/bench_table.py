@@ -91,7 +91,8 @@ def compiled_cell(row: dict, dtype: str) -> str:
         return "-"
     tokens = row[f"{dtype}_compiled_tokens_per_sec"]
     compiler = f", {row[f'{dtype}_compiled_graph_breaks']} graph breaks, {row[f'{dtype}_compiled_recompiles']} " \
-        "recompiles" if f"{dtype}_compiled_graph_breaks" in row else ""  # (after step 2; a raw loop has none counted)
+        f"recompiles, {row[f'{dtype}_compiled_eager_fraction']:.0%} eager" if f"{dtype}_compiled_graph_breaks" in row \
+        else ""  # (recompiles after step 2, eager: the step's time outside graphs; a raw loop has none counted)
     return f"{tokens:.0f} ({tokens / row[f'{dtype}_tokens_per_sec']:.2f}x{compiler})"
 
 

@@ -193,20 +193,37 @@ def _gloo_dtype(op: dict, kind: str, gloo: list[dict]) -> str | None:
     return None
 
 
+def covered(events: list[dict]) -> float:
+    """Microseconds the events' ranges cover together (their union: no time counts twice)."""
+    busy, end = 0.0, -math.inf
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
+
+
 def idle_fractions(folder: str | Path) -> dict[int, float]:
     """Per rank, the share of the profiled steps spent outside forward and backward: for a
     pipeline its bubble (waiting for a neighbour stage), plus the optimizer and bookkeeping."""
     idle = {}
     for rank, path in rank_files(Path(folder)).items():
         annotations, steps = _annotations(_events(path))
-        busy, end = 0.0, -math.inf  # union of the compute ranges, so that no time counts twice
-        for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in annotations
-                                  if e["name"] in ("forward", "backward")):
-            busy += max(0.0, stop - max(start, end))
-            end = max(end, stop)
         total = sum(e["dur"] for e in steps)
+        busy = covered([e for e in annotations if e["name"] in ("forward", "backward")])
         idle[rank] = 1 - busy / total if total else math.nan
     return idle
+
+
+def eager_fraction(folder: str | Path, rank: int = 0) -> float:
+    """A compiled run's share of its profiled steps spent outside compiled graphs (rank `rank`'s):
+    what runs eagerly around them (sharding's hooks and collectives, the optimizer, the step's own
+    work). Inside: dynamo's regions in forward (`Torch-Compiled Region`) and the compiled backward."""
+    events = _events(rank_files(Path(folder))[rank])
+    _, steps = _annotations(events)
+    total = sum(e["dur"] for e in steps)
+    inside = covered([e for e in events if e["name"].startswith("Torch-Compiled Region")
+                      or e["name"] == "CompiledFunctionBackward"])
+    return 1 - inside / total if total else math.nan
 
 
 def phase_seconds(folder: str | Path, phase: str, rank: int = 0) -> float:
