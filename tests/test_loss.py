@@ -149,7 +149,7 @@ def test_z_loss_adds_its_gradient_and_leaves_the_loss_value_as_it_was(chunk):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_compiled_chunk_equals_the_eager_one(dtype):
-    """compile.enable compiles each chunk's logits, loss and gradient (`OutputLoss.compile`): the
+    """compile.enable compiles each chunk's logits, loss and gradient (`OutputLoss.compile_chunks`): the
     same loss, z-loss term and gradients as eager within 1e-6 of each tensor's largest entry in
     fp32 (the fused log-sum-exp and exponentials round in another order: measured ~1e-7) and
     within one bf16 rounding (2^-8) in bf16, where the logits' gradient is rounded to bf16 for its
@@ -161,7 +161,7 @@ def test_the_compiled_chunk_equals_the_eager_one(dtype):
         model.loss.z_loss = 1e-2
         if compiled:
             torch._dynamo.reset()
-            model.loss.compile()
+            model.loss.compile_chunks()
         loss, grads = loss_and_grads(model, inputs, labels, 64)
         results.append((loss, model.loss.z_records[-1], grads))
     (loss, term, grads), (loss_c, term_c, grads_c) = results

@@ -68,8 +68,9 @@ def chunk_gradient(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                    divisor: torch.Tensor, z: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's summed loss, its summed lse^2 over the counted tokens (z-loss's), and d loss / d
     logits = (softmax (1 + 2 z lse) - one-hot) / divisor on the counted tokens, computed in place of
-    the logits and returned in the compute dtype. Compiled (`OutputLoss.compile`), the logits' upcast,
-    log-sum-exp and gradient fuse into a few passes over the chunk's logits instead of about ten."""
+    the logits and returned in the compute dtype. Compiled (`OutputLoss.compile_chunks`), the
+    logits' upcast, log-sum-exp and gradient fuse into a few passes over the chunk's logits instead
+    of about ten."""
     logits, compute, lse, losses, own, local = _chunk_losses(hidden, weight, labels, shard)
     counted = labels != IGNORE
     grad = logits.sub_(lse[:, None]).exp_()
@@ -145,7 +146,7 @@ class OutputLoss(nn.Module):
         self.shard = VocabShard()
         self.kernel = chunk_gradient
 
-    def compile(self) -> None:
+    def compile_chunks(self) -> None:
         """Each chunk's logits, loss and gradient as one compiled graph (`compile.enable`; one per
         chunk size: a batch's last chunk may be shorter)."""
         self.kernel = torch.compile(chunk_gradient, fullgraph=True, dynamic=False)

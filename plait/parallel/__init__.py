@@ -62,7 +62,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
         # hooks that sharding adds around the module call stay outside the compiled graph.
         for block in model.blocks():
             block.forward = compiled_forward(block, whole=cfg.parallelism.ep == 1)
-        model.loss.compile()  # (each chunk's logits, loss and gradient: plait/models/loss.py)
+        model.loss.compile_chunks()  # (each chunk's logits, loss and gradient: plait/models/loss.py)
         # Every block shares one code object, whose graphs dynamo caches together, each guarded on
         # its block's kind (window or chunk, RoPE, experts, linear attention): the blocks of K kinds
         # need K times the graphs of one (training, evaluation, their masks and lengths) before
