@@ -97,7 +97,8 @@ def test_unknown_config_name_lists_named_configs():
     (["--model.attention_mask", "sliding"], "model.attention_mask"),
     # optimizer offload: what the options alone refuse (plan prices a GPU's rows from any machine)
     (["--training.offload", "optimizer", "--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "4",
-      "--parallelism.dp_shard", "1", "--training.mixed_precision_mode", "autocast"], "training.offload: optimizer: it is FSDP2's CPU offload"),
+      "--parallelism.dp_shard", "1", "--training.mixed_precision_mode", "autocast"],
+     "training.offload: optimizer: it is FSDP2's CPU offload"),
     (["--training.offload", "optimizer", "--optimizer.name", "muon"], "training.offload: optimizer: the host steps"),
     (["--training.offload", "optimizer", "--training.float8", "rowwise"], "training.offload: optimizer: float8"),
     (["--training.offload", "host"], "training.offload"),
@@ -197,8 +198,9 @@ def test_cli_validation_error_is_one_line_before_launch(tmp_path):
 def test_offloading_the_optimizer_on_a_cpu_is_one_line_before_launch():
     proc = run_cli("train", "--nproc", "2", "--training.offload", "optimizer", "--training.device", "cpu")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["plait: error: training.offload: optimizer: on a CPU device the host is "
-                                                "the device: there is nothing to move; allowed: none"]
+    assert proc.stderr.strip().splitlines() == [
+        "plait: error: training.offload: optimizer: on a CPU device the host is the device: there is nothing to move; "
+        "allowed: none"]
 
 
 def test_help_lists_every_option(capsys):

@@ -298,8 +298,8 @@ def test_a_qwen_hybrids_mtp_module_is_read_trained_as_vllm_runs_it_and_written_b
         """The module's tensors on disk (the deeper model's last block saved by transformers, renamed)."""
         deeper.save_pretrained(model_dir)
         last = f"model.layers.{len(types) - 1}."
-        saved = {f"mtp.layers.0.{k.removeprefix(last)}": t for k, t in load_file(model_dir / "model.safetensors").items()
-                 if k.startswith(last)}
+        saved = load_file(model_dir / "model.safetensors")
+        saved = {f"mtp.layers.0.{k.removeprefix(last)}": t for k, t in saved.items() if k.startswith(last)}
         return saved | {"mtp.fc.weight": fc.weight.detach().clone()} | {
             f"mtp.{name}.weight": norm.weight.detach().clone() for name, norm in norms.items()}
 

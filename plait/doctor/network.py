@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from plait.doctor.machine import gather
 from plait.doctor.report import FAIL, PASS, WARN, Check, rank_list
-from plait.plan.calibration import BUS_FACTOR, synchronize
+from plait.plan.calibration import BUS_FACTOR
+from plait.plan.timing import synchronize
 
 MiB = 1 << 20
 SIZES = [MiB << (2 * i) for i in range(6)]  # 1 MiB to 1 GiB, x4

@@ -83,9 +83,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     # Offloaded, fully_shard's shards live in host memory; the buffers (RoPE tables, router biases) are
     # computed with on the device.
     model.to_empty(device="cpu" if precision.offload else device)
-    for module in model.modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            setattr(module, name, buffer.to(device))
+    if precision.offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
     with raw_parameters():  # SimpleFSDP: write the stored shards, not gathered temporaries
         init_weights(model, cfg.training.seed)
     if cfg.compile.enable and backend == "simple_fsdp":

@@ -140,7 +140,8 @@ def table(rows: list[Row], memory_gib: float) -> str:
     lines = [header]
     for r in rows:
         offload = f"{r.offload:>9} {r.host_gib:7.2f} " if host else ""
-        lines.append(f"{r.layout:<{width}} {r.activation_checkpoint:<9} {r.micro_batch_size:>3} {offload}{r.state_gib:7.2f} "
+        lines.append(f"{r.layout:<{width}} {r.activation_checkpoint:<9} {r.micro_batch_size:>3} {offload}"
+                     f"{r.state_gib:7.2f} "
                      f"{r.activations_gib:7.2f} {r.buffers_gib:7.2f} {r.total_gib:7.2f} {r.comm_bytes / GIB:7.2f} Gi "
                      f"{'yes' if r.fits else 'no':>4} {r.step_seconds:8.3g} {r.tokens_per_second_per_device:10,.0f} "
                      f"{r.mfu:6.1%}")
@@ -157,8 +158,8 @@ def verdict(rows: list[Row], memory_gib: float, host_gib: float = float("inf")) 
                f"{host_gib:.0f} per rank)" * (smallest.offload != "none")
         return (f"plan: fits nowhere: the smallest layout ({smallest.layout}, activation_checkpoint "
                 f"{smallest.activation_checkpoint}, micro-batch {smallest.micro_batch_size}) needs "
-                f"{smallest.total_gib:.2f} GiB per rank{host}, the device has {memory_gib:g}; needed: more memory, more "
-                "ranks, or a smaller micro_batch_size / seq_len")
+                f"{smallest.total_gib:.2f} GiB per rank{host}, the device has {memory_gib:g}; needed: more memory, "
+                "more ranks, or a smaller micro_batch_size / seq_len")
     top = fitting[0]
     others = [r for r in fitting[1:] if r.layout != top.layout]
     reason = (f"{top.tokens_per_second_per_device:,.0f} tokens/s per device, MFU {top.mfu:.1%} ({top.step_seconds:.3g} s "
@@ -192,7 +193,8 @@ def launch_command(row: Row, train_argv: list[str], world: int, node_size: int) 
     The row's own options replace any the plan was given (each option once)."""
     degrees = dict(part.split("=") for part in row.layout.split(","))
     mine = {f"--parallelism.{name}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "cp_kind",
-                                                  "cp_ulysses")} | {"--activation_checkpoint.mode", "--training.offload"}
+                                                  "cp_ulysses")} | {"--activation_checkpoint.mode",
+                                                                    "--training.offload"}
     if row.micro_batch_size and degrees.get("pp") == "1":
         mine.add("--training.micro_batch_size")
     options = [*without(train_argv, mine), *(f"--parallelism.{name} {degrees.get(name, '1')}"

@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from plait.config import ConfigError
 from plait.hardware import GPU_PEAK_TFLOPS, device_name, native_bf16
 from plait.plan.host import measure_host
+from plait.plan.timing import timed
 
 Curve = list[tuple[float, float]]  # (size, rate) points, sizes ascending
 
@@ -154,27 +154,9 @@ def data_sheet(name: str) -> Calibration:
                        matmul={"bfloat16": curve(bf16), "float32": curve(fp32), "float8": curve(FLOAT8_SPEEDUP * bf16)},
                        memory=[(float(2**30), hbm * 1e12 * MEMORY_EFFICIENCY)], op_seconds=GPU_OP_SECONDS,
                        collectives=link(nvlink), inter_node=link(network), latency=GPU_LATENCY, asynchronous=True,
-                       peak={"bfloat16": bf16 * 1e12, "float32": fp32 * 1e12}, host_link=PCIE_GBPS * LINK_EFFICIENCY * GB,
+                       peak={"bfloat16": bf16 * 1e12, "float32": fp32 * 1e12},
+                       host_link=PCIE_GBPS * LINK_EFFICIENCY * GB,
                        host_step=HOST_MEMORY_GBPS * MEMORY_EFFICIENCY * GB / HOST_STEP_BYTES)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(run, device: torch.device, seconds: float, at_least: int = 2) -> float:
-    """The best time of `run` repeated within `seconds` (at least `at_least` times, after a warm-up)."""
-    run()
-    synchronize(device)
-    best, spent, repeats = float("inf"), 0.0, 0
-    while repeats < at_least or spent < seconds:
-        begin = time.perf_counter()
-        run()
-        synchronize(device)
-        elapsed = time.perf_counter() - begin
-        best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
-    return best
 
 
 SQUARE_SIZES = {False: (128, 256, 512, 1024), True: (1024, 2048, 4096, 8192)}  # n of the n x n x n matmuls: CPU, GPU

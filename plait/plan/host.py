@@ -7,24 +7,12 @@ sum); a data sheet states them.
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from plait.plan.timing import timed
 
 COPY_ELEMENTS = 1 << 26  # 256 MiB of fp32: far past any cache, as a block's shard is
 STEP_ELEMENTS = 1 << 24
-
-
-def best_seconds(run, device: torch.device, seconds: float, at_least: int = 3) -> float:
-    run()
-    best, spent, repeats = float("inf"), 0.0, 0
-    while repeats < at_least or spent < seconds:
-        begin = time.perf_counter()
-        run()
-        torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - begin
-        best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
-    return best
 
 
 def measure_host(device: torch.device, seconds: float) -> dict[str, float]:
@@ -33,8 +21,8 @@ def measure_host(device: torch.device, seconds: float) -> dict[str, float]:
         return {"host_link": 0.0, "host_step": 0.0}
     host = torch.empty(COPY_ELEMENTS, pin_memory=True)
     gpu = torch.empty(COPY_ELEMENTS, device=device)
-    ways = [best_seconds(lambda: gpu.copy_(host, non_blocking=True), device, seconds / 4),
-            best_seconds(lambda: host.copy_(gpu, non_blocking=True), device, seconds / 4)]
+    ways = [timed(lambda: gpu.copy_(host, non_blocking=True), device, seconds / 4),
+            timed(lambda: host.copy_(gpu, non_blocking=True), device, seconds / 4)]
     weights = torch.nn.Parameter(torch.zeros(STEP_ELEMENTS))
     weights.grad = torch.full_like(weights, 1e-3)
     optimizer = torch.optim.AdamW([weights], fused=True)
@@ -45,4 +33,4 @@ def measure_host(device: torch.device, seconds: float) -> dict[str, float]:
         optimizer.step()
 
     return {"host_link": 4 * COPY_ELEMENTS / max(ways),
-            "host_step": STEP_ELEMENTS / best_seconds(step, device, seconds / 2)}
+            "host_step": STEP_ELEMENTS / timed(step, device, seconds / 2)}

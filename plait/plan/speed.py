@@ -34,7 +34,8 @@ from plait.models.attention import query_block
 from plait.models.args import ModelArgs
 from plait.models.transformer import Transformer
 from plait.parallel.activation_checkpoint import checkpointed_blocks
-from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts, timed
+from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts
+from plait.plan.timing import timed
 from plait.plan.features import latent_gather, masked, ulysses_degree
 from plait.plan.memory import (Layout, block_activation_bytes, block_indices, gathered_elements, holds_output,
                                local_rows_cols, parameter_shapes, plan_name, rank_parameters, stage_blocks, units)
@@ -180,11 +181,8 @@ def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: 
       into the gather's buffer in the gather dtype and the gathered unit copied out (read and
       write); once a step, its gradients copied into the reduce-scatter's buffer in the reduce
       dtype. The collectives themselves are priced apart."""
-    p, t = cfg.parallelism, cfg.training
-    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
-    grouped = units(rank_parameters(args, cfg, stages))
-    full = {u: gathered_elements(unit, layout) for u, unit in grouped.items()}
-    elements = sum(full.values())
+    t = cfg.training
+    elements, gathers, shard = gathered_per_step(args, cfg, stages, passes)
     autocast = t.mixed_precision_mode == "autocast"
     one_device = world == 1 and t.mixed_precision_reduce == "float32" and not float8.microscaling(t.float8) and \
         t.offload == "none"
@@ -192,10 +190,23 @@ def parameter_copy_seconds(args: ModelArgs, cfg: JobConfig, world: int, stages: 
     if not one_device:
         gather = 4 if autocast else e
         reduce = 2 if t.mixed_precision_reduce == "bfloat16" else 4
-        again = [u for u in grouped if u != "root"][:-1] if stages is None else []  # re-gathered in backward
-        gathers = passes * (elements + sum(full[u] for u in again)) if stages is None else elements
-        nbytes += gathers * ((4 + gather) / layout.shard + 2 * gather) + (e + reduce) * elements
+        nbytes += gathers * ((4 + gather) / shard + 2 * gather) + (e + reduce) * elements
     return nbytes / cal.elementwise_rate(dtype_name(e), nbytes, cores)
+
+
+def gathered_per_step(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, passes: int) -> tuple[int, int, int]:
+    """(elements of a rank's units gathered whole, elements its gathers gather in a step, the degree
+    they are sharded over): each unit per micro-batch in forward and all blocks but the last again in
+    backward; a pipeline's stages once a step (they stay gathered)."""
+    p = cfg.parallelism
+    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
+    grouped = units(rank_parameters(args, cfg, stages))
+    full = {u: gathered_elements(unit, layout) for u, unit in grouped.items()}
+    elements = sum(full.values())
+    if stages is not None:
+        return elements, elements, layout.shard
+    again = [u for u in grouped if u != "root"][:-1]  # re-gathered in backward
+    return elements, passes * (elements + sum(full[u] for u in again)), layout.shard
 
 
 def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal: Calibration, cores: float,
@@ -224,13 +235,8 @@ def host_copy_seconds(args: ModelArgs, cfg: JobConfig, stages: list[int] | None,
     back once a step; both at the host link's speed, on the streams that overlap compute."""
     if cfg.training.offload == "none":
         return 0.0
-    p = cfg.parallelism
-    layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
-    grouped = units(rank_parameters(args, cfg, stages))
-    full = {u: gathered_elements(unit, layout) for u, unit in grouped.items()}
-    again = [u for u in grouped if u != "root"][:-1] if stages is None else []  # re-gathered in backward
-    gathers = passes * (sum(full.values()) + sum(full[u] for u in again)) if stages is None else sum(full.values())
-    return 4 * (gathers + sum(full.values())) / layout.shard / cal.host_link
+    elements, gathers, shard = gathered_per_step(args, cfg, stages, passes)
+    return 4 * (gathers + elements) / shard / cal.host_link
 
 
 def collective_seconds(comm: Counter, cfg: JobConfig, calls: dict[str, int], node_size: int,
