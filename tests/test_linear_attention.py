@@ -1,5 +1,5 @@
-"""The gated delta rule (plait/models/linear_attention.py) against transformers' per-token recurrence,
-with documents that restart it, a state carried from one call to the next (generation's cache),
+"""The gated delta rule (plait/models/linear_attention.py), its gate per head (Gated DeltaNet) and per
+key channel (Kimi Delta Attention), against transformers' per-token recurrences, with documents that restart it, a state carried from one call to the next (generation's cache),
 and the causal convolution against PyTorch's depthwise conv1d. Whole models against transformers'
 Qwen3-Next: tests/test_families.py; each document alone in a packed sequence:
 tests/test_long_context.py; every layout: the parity matrix."""
@@ -15,11 +15,12 @@ transformers = pytest.importorskip("transformers")
 BATCH, SEQ, HEADS, DK, DV = 2, 150, 3, 16, 8  # (150 positions: two whole chunks of 64 and a padded one)
 
 
-def inputs(seed: int = 0):
+def inputs(seed: int = 0, per_channel: bool = False):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(BATCH, SEQ, HEADS, DK, generator=g), torch.randn(BATCH, SEQ, HEADS, DK, generator=g)
     v = torch.randn(BATCH, SEQ, HEADS, DV, generator=g)
-    gate = -F.softplus(torch.randn(BATCH, SEQ, HEADS, generator=g))  # (log of a gate in (0, 1))
+    # (log of a gate in (0, 1): a head's, or each key channel's)
+    gate = -F.softplus(torch.randn(BATCH, SEQ, HEADS, *[DK] * per_channel, generator=g))
     beta = torch.rand(BATCH, SEQ, HEADS, generator=g)
     return q, k, v, gate, beta
 
@@ -47,11 +48,30 @@ def test_the_chunked_rule_equals_the_per_token_recurrence():
         assert (ours - theirs).abs().max() <= 1e-5 and (state - their_state).abs().max() <= 1e-5
 
 
-def test_each_document_computes_what_it_computes_alone():
+def test_the_gate_per_key_channel_equals_kimis_recurrence():
+    """Kimi Delta Attention's gate decays each key channel's row of the state: the chunked rule
+    equals transformers' per-token recurrence (fp32, measured 7.3e-7 on the output and 1.8e-6 on
+    the final state: other orders of the same sums; bound 1e-5, 5x), in chunks of 64, 16 and 24
+    (blocks of 16 or 12 within them). Gates 60 times stronger (decays to e^-100 within a chunk:
+    the products of decays that rise would overflow) stay finite and equal."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
+
+    q, k, v, gate, beta = inputs(per_channel=True)
+    for strength in (1, 60):
+        theirs, their_state = recurrent_kimi_delta_attention(q, k, v, gate * strength, beta, None, True,
+                                                             use_qk_l2norm_in_kernel=True)
+        for chunk in (64, 16, 24):
+            ours, state = gated_delta_rule(l2_normalized(q) * DK ** -0.5, l2_normalized(k), v, gate * strength,
+                                           beta, chunk=chunk)
+            assert (ours - theirs).abs().max() <= 1e-5 and (state - their_state).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_each_document_computes_what_it_computes_alone(per_channel):
     """Under document ids the rule restarts from a zero state at each document, and the
     convolution reads zeros before it: each document equals its own run (fp32, measured 4.3e-7 and
     6e-8: other chunkings of the same sums), and unlike the run across documents."""
-    q, k, v, gate, beta = inputs()
+    q, k, v, gate, beta = inputs(per_channel=per_channel)
     q, k = l2_normalized(q) * DK ** -0.5, l2_normalized(k)
     ids = documents()
     packed, _ = gated_delta_rule(q, k, v, gate, beta, ids)
@@ -67,11 +87,12 @@ def test_each_document_computes_what_it_computes_alone():
     assert (packed - across).abs().max() > 1e-2
 
 
-def test_a_state_and_a_window_carried_over_continue_the_sequence():
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_a_state_and_a_window_carried_over_continue_the_sequence(per_channel):
     """Generation's cache: the rule from the state after the first 90 positions, and the
     convolution from their last 3 inputs, continue as one call over all 150 (fp32, measured
     3.8e-7 and 0)."""
-    q, k, v, gate, beta = inputs()
+    q, k, v, gate, beta = inputs(per_channel=per_channel)
     q, k = l2_normalized(q) * DK ** -0.5, l2_normalized(k)
     whole, state = gated_delta_rule(q, k, v, gate, beta)
     first, carried = gated_delta_rule(*(t[:, :90] for t in (q, k, v, gate, beta)))

@@ -69,50 +69,88 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over q, k [batch, seq, heads, key dim] (normalised and scaled), v
     [batch, seq, heads, value dim], g (log of the gate, <= 0) and beta [batch, seq, heads], in
-    fp32, chunk by chunk. `documents` [batch, seq]: each document from a zero state (default:
-    one document); `state` [batch, heads, key dim, value dim]: the state before the first
-    position, which continues the first position's document. Returns the output [batch, seq,
-    heads, value dim] and the state after the last position."""
+    fp32, chunk by chunk. g [batch, seq, heads] gates a head's state as a whole (Gated DeltaNet);
+    g [batch, seq, heads, key dim] gates each key channel's row of it (Kimi Delta Attention: S_t =
+    (I - b k k^T) diag(a_t) S_{t-1} + b k v^T). `documents` [batch, seq]: each document from a zero
+    state (default: one document); `state` [batch, heads, key dim, value dim]: the state before
+    the first position, which continues the first position's document. Returns the output [batch,
+    seq, heads, value dim] and the state after the last position."""
     batch, seq, heads, dk = k.shape
     chunk = min(chunk, seq)
     pad = -seq % chunk
     if documents is None:
         documents = torch.zeros(batch, seq, dtype=torch.long, device=q.device)
+    g = g if g.ndim == 4 else g[..., None]  # (a head's gate: one channel, broadcast over the key dim)
     # (padding after the last position: k = v = 0 and g = 0 leave the state as it is)
-    q, k, v, g, beta = (F.pad(t.float().transpose(1, 2), (0, 0, 0, pad) if t.ndim == 4 else (0, pad))
-                        for t in (q, k, v, g, beta))
+    q, k, v, g = (F.pad(t.float().transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta.float().transpose(1, 2), (0, pad))
     documents = torch.cat([documents, documents[:, -1:].expand(batch, pad)], 1)
     n = (seq + pad) // chunk
-    q, k, v = (t.reshape(batch, heads, n, chunk, -1) for t in (q, k, v))
-    g, beta = g.reshape(batch, heads, n, chunk), beta.reshape(batch, heads, n, chunk)
+    q, k, v, g = (t.reshape(batch, heads, n, chunk, -1) for t in (q, k, v, g))
+    beta = beta.reshape(batch, heads, n, chunk)
     docs = documents.reshape(batch, 1, n, chunk)
     # The state before each chunk belongs to the document of the position before it.
     before = torch.cat([docs[:, :, :1, :1], docs[:, :, :-1, -1:]], 2)  # [batch, 1, n, 1]
 
-    decay = g.cumsum(-1)  # log of the gates' product from the chunk's start to each position
+    decay = g.cumsum(-2)  # log of the gates' product from the chunk's start to each position [.., chunk, 1 or dk]
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     within = causal & (docs[..., :, None] == docs[..., None, :])  # j <= i, one document
-    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(~within, float("-inf")).exp()
-    carried = torch.where(docs == before, decay.exp(), 0.0)  # the incoming state's decay at each position
+    # the incoming state's decay at each position
+    carried = torch.where((docs == before)[..., None], decay.exp(), 0.0)
     # The corrections u_i = b_i (v_i - k_i^T S before i) solve (I + L) U = b V - b carried K S_0,
-    # L strictly lower: L_ij = b_i (k_i . k_j) pairwise_ij.
+    # L strictly lower: L_ij = b_i k_i^T diag(decay_i - decay_j) k_j.
     kb = k * beta[..., None]
-    lower = (kb @ k.transpose(-1, -2) * pairwise).tril(-1)
+    lower = decayed_products(kb, k, decay, within.tril(-1))
     system = lower + torch.eye(chunk, device=q.device)
     values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    keys = torch.linalg.solve_triangular(system, kb * carried[..., None], upper=False, unitriangular=True)
-    scores = q @ k.transpose(-1, -2) * pairwise
+    keys = torch.linalg.solve_triangular(system, kb * carried, upper=False, unitriangular=True)
+    scores = decayed_products(q, k, decay, within)
     last = docs[..., -1:]  # the document the state leaves each chunk in
-    to_end = torch.where(docs == last, (decay[..., -1:] - decay).exp(), 0.0)  # each position's decay to the end
-    through = torch.where(last == before, decay[..., -1:].exp(), 0.0)[..., None]  # S_0's
+    # each position's decay to the end; S_0's
+    to_end = torch.where((docs == last)[..., None], (decay[..., -1:, :] - decay).exp(), 0.0)
+    through = torch.where(last == before, decay[..., -1, :].exp(), 0.0)[..., None]  # [.., n, 1 or dk, 1]
     state = q.new_zeros(batch, heads, dk, v.shape[-1]) if state is None else state.float()
     outputs = []
     for i in range(n):
         u = values[:, :, i] - keys[:, :, i] @ state
-        outputs.append((q[:, :, i] * carried[:, :, i, :, None]) @ state + scores[:, :, i] @ u)
-        state = state * through[:, :, i] + (k[:, :, i] * to_end[:, :, i, :, None]).transpose(-1, -2) @ u
+        outputs.append((q[:, :, i] * carried[:, :, i]) @ state + scores[:, :, i] @ u)
+        state = state * through[:, :, i] + (k[:, :, i] * to_end[:, :, i]).transpose(-1, -2) @ u
     out = torch.stack(outputs, 2).reshape(batch, heads, n * chunk, -1)[:, :, :seq]
     return out.transpose(1, 2), state
+
+
+def decayed_products(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, pairs: torch.Tensor,
+                     block: int = 16) -> torch.Tensor:
+    """sum_c a_ic b_jc exp(decay_ic - decay_jc) for the pairs j <= i that `pairs` [.., chunk, chunk]
+    holds (0 elsewhere), of a and b [.., chunk, width] and decay [.., chunk, 1 or width], which
+    falls (never rises) along the chunk. Every exponential is of a difference <= 0: with one
+    channel, the pairwise factor of a @ b^T; per channel, the chunk cut in blocks of `block`:
+    a block's pairs with earlier positions as a matmul of a and b each decayed to the block's first
+    position, its pairs within it summed over [block, block, width] (flash-linear-attention's split)."""
+    if decay.shape[-1] == 1:
+        gap = (decay[..., :, None, 0] - decay[..., None, :, 0]).masked_fill(~pairs, float("-inf"))
+        return a @ b.transpose(-1, -2) * gap.exp()
+    chunk = a.shape[-2]
+    block = next(size for size in range(min(block, chunk), 0, -1) if chunk % size == 0)
+    blocks = chunk // block
+
+    def cut(t: torch.Tensor) -> torch.Tensor:  # [.., chunk, width] -> [.., blocks, block, width]
+        return t.unflatten(-2, (blocks, block))
+
+    first = cut(decay)[..., :1, :]  # [.., blocks, 1, width]: each block's first position's
+    ahead = (cut(decay) - first).exp()  # <= 1: decay from the block's start
+    # b_j from j to each block's start, for j before the block (else -inf: an exponent that would rise)
+    earlier = torch.arange(chunk, device=a.device) < torch.arange(0, chunk, block, device=a.device)[:, None]
+    back = (first - decay[..., None, :, :]).masked_fill(~earlier[..., None], float("-inf")).exp()
+    # [.., blocks, block, chunk]: 0 at and after each block's first position
+    products = (cut(a) * ahead) @ (b[..., None, :, :] * back).transpose(-1, -2)
+    diagonal = cut(decay)[..., :, None, :] - cut(decay)[..., None, :, :]  # [.., blocks, block, block, width]
+    near = torch.ones(block, block, dtype=torch.bool, device=a.device).tril()
+    inside = (cut(a)[..., :, None, :] * cut(b)[..., None, :, :] *
+              diagonal.masked_fill(~near[..., None], float("-inf")).exp()).sum(-1)
+    on_diagonal = torch.eye(blocks, device=a.device)[:, None, :, None]  # [blocks, 1, blocks, 1]
+    products = products.unflatten(-1, (blocks, block)) + on_diagonal * inside[..., :, :, None, :]
+    return torch.where(pairs, products.flatten(-2).flatten(-3, -2), 0.0)
 
 
 def l2_normalized(x: torch.Tensor) -> torch.Tensor:
