@@ -11,6 +11,7 @@ Flavor = Literal["debug", "small", "llama3_1b", "llama3_8b", "llama3_70b", "llam
                  "debug_gpt_oss", "gpt_oss_20b", "gpt_oss_120b", "debug_mla", "debug_glm4_moe", "glm4_5_air", "glm4_5",
                  "debug_llama4", "llama4_scout", "debug_hybrid", "debug_hybrid_moe", "qwen3_next_80b_a3b",
                  "qwen3_5_9b", "qwen3_5_35b_a3b", "debug_olmo_hybrid", "olmo_hybrid_7b",
+                 "debug_kimi", "kimi_linear_48b_a3b",
                  "small_mla", "small_mla_gqa", "deepseek_v3_16b", "deepseek_v3_671b",
                  "kimi_k2_1t"]
 ModelFlavor = Literal["auto", Flavor]

@@ -220,6 +220,7 @@ QWEN3, QWEN2, OLMO2, OLMO3, GEMMA3, GLM, LLAMA4 = (["--model.flavor", f"debug_{f
 MOE, SIGMOID = ["--model.flavor", "debug_moe"], ["--model.flavor", "debug_moe_sigmoid"]
 HYBRID, HYBRID_MOE = ["--model.flavor", "debug_hybrid"], ["--model.flavor", "debug_hybrid_moe"]
 OLMO_HYBRID = ["--model.flavor", "debug_olmo_hybrid"]
+KIMI = ["--model.flavor", "debug_kimi"]
 SLIDING, GPT_OSS = ["--model.flavor", "debug_sliding"], ["--model.flavor", "debug_gpt_oss"]
 # DeepSeek-V3's sequence-wise balance loss at 1000x its 0.0001: strong enough that a layout's
 # wrong share of its gradient moves the losses past the parity bounds
@@ -400,6 +401,12 @@ LAYOUTS = {
     # OLMo 3 attention block without RoPE) under CP2 and FSDP2 at world 4
     "single_olmo_hybrid": (1, [*OLMO_HYBRID, "--training.micro_batch_size", "2"]),
     "cp_fsdp2_olmo_hybrid": (4, [*OLMO_HYBRID, *CP2, *degrees(1, 2)]),
+    # Kimi Linear (debug_kimi: Kimi Delta Attention, its gate per key channel through a bottleneck, then
+    # latent attention without RoPE with experts) under TP2, EP2, and CP2 with FSDP2 at world 4
+    "single_kimi": (1, [*KIMI, "--training.micro_batch_size", "2"]),
+    "tp_kimi": (2, [*KIMI, *degrees(1, 1, tp=2), "--training.micro_batch_size", "2"]),
+    "ep2_kimi": (2, [*KIMI, *EP2]),
+    "cp_fsdp2_kimi": (4, [*KIMI, *CP2, *degrees(1, 2)]),
     "single_mla_f8": (1, [*MLA, *FLOAT8, "--training.micro_batch_size", "2"]),  # (the MTP module's layers too)
     "fsdp2_mla_f8": (2, [*MLA, *FLOAT8, *degrees(1, 2)]),
     # Mixtures of experts (debug_moe: 8 experts, top 2, Qwen3-MoE's router and q/k norm). Their

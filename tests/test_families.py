@@ -123,6 +123,14 @@ CONFIGS = {  # model_type -> its config class and fields (the families' defaults
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+    # Kimi Linear: Kimi Delta Attention blocks 0, 2, 3 (2 heads of 16, a gate per key channel; 200
+    # positions cross its chunks of 64) and a latent attention block 1 without RoPE (a value head unlike
+    # the query's); 4 experts in 2 groups of which 1 is chosen, a shared expert, block 0 dense
+    "kimi_linear": ("KimiLinearConfig", dict(
+        num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        linear_num_heads=2, linear_head_dim=16, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=48, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                               "linear_attention"])),
 }
 ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (their norms' gains are 1 + w)
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
@@ -237,12 +245,17 @@ def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, f
 
     from plait.hf.config import hf_config
     from plait.hf.hybrid import MROPE
+    from plait.hf.kimi import stored_names
     from plait.hf.weights import write_weights
 
     source = folders(family)
     model, weights = plait_model(source)
     write_weights(dict(weights.items()) | weights.buffers, model.args, tmp_path, torch.float32, 1 << 30)
     before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    # (Kimi Linear's dense feed-forward: transformers saves it under the sparse blocks' name, plait
+    # writes the released folders' `mlp`; both are read)
+    renamed = {stored: ours for ours, stored in stored_names(before, model.args).items()}
+    before = {renamed.get(k, k): t for k, t in before.items()}
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     # Written from plait's model alone (no source config), config.json builds transformers' model of the
     # same family and shape: the one transformers saved.
@@ -253,11 +266,12 @@ def test_import_then_export_is_bitwise_with_the_same_config(folders, tmp_path, f
     # (transformers' DeepSeek-V3 says 1 MTP module by default and saves none: plait writes the 0 it holds)
     ignored = ("transformers_version", "_name_or_path", "num_nextn_predict_layers")
     # (nor a text model's multimodal RoPE sections, which rotate a text as plain RoPE does: kept from a source)
-    saved["rope_parameters"] = {k: v for k, v in saved["rope_parameters"].items() if k not in MROPE}
+    if "rope_parameters" in saved:  # (Kimi Linear has no RoPE)
+        saved["rope_parameters"] = {k: v for k, v in saved["rope_parameters"].items() if k not in MROPE}
     differ = {k for k in saved if k not in ignored and saved[k] != theirs.get(k)}
     assert config["model_type"] == family and not differ, {k: (saved[k], theirs.get(k)) for k in differ}
     source_config = json.loads((source / "config.json").read_text())
-    if set(MROPE) <= source_config["rope_parameters"].keys():
+    if set(MROPE) <= source_config.get("rope_parameters", {}).keys():
         kept = hf_config(model.args, torch.float32, None, 0, source_config)["rope_scaling"]
         assert {k: kept[k] for k in MROPE} == {k: source_config["rope_parameters"][k] for k in MROPE}
 
@@ -572,7 +586,8 @@ EXPERT_SIZES = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=48), "mix
                 "glm4_moe": dict(n_routed_experts=16, moe_intermediate_size=48),
                 "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96),
                 "qwen3_next": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48),
-                "qwen3_5_moe_text": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48)}
+                "qwen3_5_moe_text": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48),
+                "kimi_linear": dict(num_experts=4, moe_intermediate_size=48)}
 
 
 @pytest.mark.parametrize("family", ["llama", *CONFIGS])
@@ -639,7 +654,8 @@ def test_the_nulls_plait_reads_are_transformers():
     # (gpt-oss: range(None); OLMo 3 and Gemma 3: torch.tensor(None))
     fails = {"gpt_oss": {"sliding_window"}, "olmo3": {"sliding_window"}, "gemma3_text": {"sliding_window"},
              "llama4_text": {"attention_chunk_size"},  # (its mask reads a sliding_window it lacks)
-             "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace"}}
+             "deepseek_v3": {"num_experts_per_tok", "v_head_dim", "n_group", "topk_group", "first_k_dense_replace"},
+             "kimi_linear": {"num_experts_per_tok", "v_head_dim", "topk_group"}}
     for family, nullable in NULLABLE.items():
         types = {f.name: str(f.type) for f in dataclasses.fields(type(transformers.AutoConfig.for_model(family)))}
         assert nullable == {f for f in READ if "None" in types.get(f, "")} - fails.get(family, set()), family

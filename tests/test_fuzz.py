@@ -26,10 +26,12 @@ def prove(name: str, examples: int, expected: set[str], generator=None):
 # router, RoPE on part of each head), Llama 4 (its router, blocks without RoPE, temperature, chunks) and
 # Qwen3-Next (linear-attention blocks and their heads, gates, experts or none, a quarter of each head rotated);
 # Qwen3.5's two share its code but their tensors on disk; OLMo hybrid (its linear heads and sizes derived
-# or given, RoPE or none, the step doubled or not). (A hybrid's case costs ~1.5 s: transformers' rule.)
+# or given, RoPE or none, the step doubled or not); Kimi Linear (its kinds of block and of feed-forward,
+# latent attention's sizes, the router). (A hybrid's case costs ~1.5 s: transformers' rule.)
 FAMILY_BUDGET = {"deepseek_v3": 60, "gpt_oss": 20, "llama": 10, "mistral": 10, "qwen2": 10, "qwen3": 10, "olmo2": 10,
                  "olmo3": 20, "glm4_moe": 20, "gemma3_text": 20, "llama4_text": 20, "smollm3": 10, "qwen3_moe": 10,
-                 "mixtral": 10, "qwen3_next": 12, "qwen3_5_text": 6, "qwen3_5_moe_text": 6, "olmo_hybrid": 10}
+                 "mixtral": 10, "qwen3_next": 12, "qwen3_5_text": 6, "qwen3_5_moe_text": 6, "olmo_hybrid": 10,
+                 "kimi_linear": 10}
 
 
 @pytest.mark.parametrize("family", FAMILY_BUDGET)

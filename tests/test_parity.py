@@ -20,6 +20,7 @@ BITWISE = 0.0
 # into two partial sums: last-bit differences in fp32, measured 4.8e-7 for every such row.
 FP32_REORDERED = 1e-6
 TIED_REORDERED = 2e-6  # two fp32 ulps of a loss in [8, 16): see the tied rows
+MOE_REORDERED = 2e-6  # four ulps of a loss in [4, 8): see the mixtures of experts' rows
 # bf16 compute: a last-bit difference in an fp32 master weight can flip its bf16 rounding, and
 # TP sums two bf16-rounded partial products where one device rounds once: bf16 resolution of
 # the activations. It depends on the CPU's bf16 kernels: measured up to 4.1e-4 on an AMX CPU,
@@ -81,7 +82,14 @@ OLMO3_REORDERED = 2e-6
 # output then its zero-state output plus its read of the incoming state: other sums, measured 4.8e-7
 # (over 20 steps at 3e-3, by hand: 9.5e-7 CP2, 4.8e-7 CP4, CP2 causal and Ulysses CP2). OLMo hybrid
 # under CP2 and FSDP2 at world 4 (its variant changes no sum the layouts split): measured 4.8e-7.
+# Kimi Linear (debug_kimi: the rule's gate per key channel, its gates through bottlenecks whole on each
+# TP rank, then latent attention without RoPE and experts): the rule's state passes across CP ranks
+# as Qwen3-Next's; TP2 measured bitwise (its one new sum: the bottlenecks' weight gradients over
+# the ranks' heads, exact at these sizes), EP2 4.8e-7, CP2 with FSDP2 at world 4 9.5e-7 (2 ulps:
+# MOE_REORDERED, as the world-4 MoE rows).
 FAMILIES = {("cp_fsdp2_olmo_hybrid", "fp32"): FP32_REORDERED,
+            ("tp_kimi", "fp32"): FP32_REORDERED, ("ep2_kimi", "fp32"): FP32_REORDERED,
+            ("cp_fsdp2_kimi", "fp32"): MOE_REORDERED,
             ("fsdp2_hybrid", "fp32"): BITWISE, ("pp_hybrid", "fp32"): BITWISE, ("cp2_hybrid", "fp32"): FP32_REORDERED,
             ("tp_hybrid", "fp32"): FP32_REORDERED, ("tp_hybrid", "bf16"): BF16_REORDERED,
             ("ep2_hybrid_moe", "fp32"): FP32_REORDERED,
@@ -111,7 +119,6 @@ FAMILY_ROWS = {name for name, _ in FAMILIES}
 # CP2+EP2, sigmoid router) and 9.5e-7 (TP2, EP2+FSDP2, EP2+HSDP, EP2+TP2): up to 2 ulps of a loss in
 # [4, 8) where the dense rows measure 1: the rows that measure 1 ulp keep FP32_REORDERED, those
 # that measure 2 get 4 ulps, MOE_REORDERED (Muon's TP rows below: the same margin). bf16 (EP2): 1.4e-4, the mechanism of BF16_REORDERED.
-MOE_REORDERED = 2e-6
 MLA_TP_BF16 = 3e-3
 MOE_BOUNDS = {("simple_fsdp_moe", "fp32"): BITWISE,  # (measured: data parallelism as for Llama)
               # a pipeline forwards single_moe's micro-batches, each stage its own layers: as for Llama

@@ -52,6 +52,8 @@ PARTLY = {
     **{name: {"state"} for name in LAYOUTS if "gpt_oss" in name and not name.startswith("single")},
     # (GLM-4.5's rows are named *_moe; Llama 4's experts, weighed on their inputs, as the others')
     **{name: {"state"} for name in LAYOUTS if "llama4" in name and not name.startswith("single")},
+    # (Kimi Linear's blocks have experts too)
+    **{name: {"state"} for name in LAYOUTS if "kimi" in name and not name.startswith("single")},
 }
 # Muon's rows as their AdamW layout's, less the step's collectives (its matrices' all-to-alls, or
 # gathers), which plan does not count yet.

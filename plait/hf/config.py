@@ -1,6 +1,7 @@
 """A Hugging Face `config.json` (Llama and its relatives: Mistral, Qwen2/2.5, Qwen3, OLMo 2 and 3,
 SmolLM3, Gemma 3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4.5,
-Llama 4, and the hybrid of linear and full attention Qwen3-Next) <-> plait's ModelArgs.
+Llama 4, and the hybrids of linear and full attention Qwen3-Next, Qwen3.5, OLMo hybrid and Kimi
+Linear) <-> plait's ModelArgs.
 
 Both layouts of the RoPE fields are read (plait/hf/rope_fields.py): the classic `rope_theta` +
 `rope_scaling`, and the `rope_parameters` that transformers 5 writes. Everything that changes
@@ -24,6 +25,7 @@ from plait.hf.defaults import DEFAULTS
 from plait.hf.fields import Fields, family_fields
 from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
+from plait.hf.kimi import kimi_fields, kimi_switches
 from plait.hf.hybrid import (QWEN_HYBRIDS, kept_multimodal_rope, olmo_hybrid_fields, olmo_hybrid_switches,
                              qwen_hybrid_fields, qwen_hybrid_switches, qwen_mtp_name, rope_off)
 from plait.hf.llama4 import llama4_fields, llama4_switches
@@ -46,7 +48,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
             "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM"}
+            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM",
+            "kimi_linear": "KimiLinearForCausalLM"}
 # model_types read as another's (Kimi K2's config.json is DeepSeek-V3's architecture)
 ALIASES = {"kimi_k2": "deepseek_v3"}
 # Fields that change what a model computes in ways plait does not: present and set, refused by name.
@@ -55,7 +58,7 @@ UNSUPPORTED = {"final_logit_softcapping": "logit soft-capping", "attn_logit_soft
                "n_routed_experts": "mixture of experts",
                "router_jitter_noise": "router jitter", "use_bidirectional_attention": "bidirectional attention"}
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_text", "qwen3_next",
-                "qwen3_5_moe_text")
+                "qwen3_5_moe_text", "kimi_linear")
 # Multimodal model types whose language model plait reads once saved on its own: the one to save it as
 MULTIMODAL = {"gemma3": ("Gemma 3", "Gemma3ForCausalLM", "gemma3_text"),
               "qwen3_5": ("Qwen3.5", "Qwen3_5ForCausalLM", "qwen3_5_text"),
@@ -99,6 +102,8 @@ def family_switches(fields: Fields, family: str, n_layers: int) -> dict:
         switches |= qwen_hybrid_switches(fields, family, n_layers)
     if family == "olmo_hybrid":
         switches |= olmo_hybrid_switches(fields, n_layers)
+    if family == "kimi_linear":
+        switches |= kimi_switches(fields, n_layers)
     if family == "llama4_text":
         switches |= llama4_switches(fields, n_layers, nope_layers(fields, n_layers))
     if family == "mixtral":  # every block sparse, intermediate_size the experts'; top k always renormalised
@@ -187,7 +192,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
     if family in LAYERED:
         (theta, scaling), local = layered_rope_settings(config, family, where)
         local_rope = {} if local == (theta, scaling) else {"local_rope_theta": local[0], "local_rope_scaling": local[1]}
-    elif family == "olmo_hybrid" and rope_off(config):  # (no RoPE: no base to read)
+    elif family == "kimi_linear" or family == "olmo_hybrid" and rope_off(config):  # (no RoPE: no base to read)
         (theta, scaling), local_rope = (ModelArgs.rope_theta, None), {}
     else:
         (theta, scaling), local_rope = rope_settings(config, family, where), {}
@@ -204,8 +209,12 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                  # (Qwen3.5-MoE has none: every block sparse, the switches give its experts' size)
                  ffn_hidden=fields.integer("intermediate_size", required=True) if family != "qwen3_5_moe_text" else 0,
                  head_dim=head_dim, rotary_dim=rotary % head_dim, norm_eps=fields.number("rms_norm_eps"),
-                 rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer("max_position_embeddings"),
-                 tie_embeddings=fields.flag("tie_word_embeddings"), family=family, **local_rope)
+                 rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer(
+                     "model_max_length" if family == "kimi_linear" and fields.has("model_max_length") else
+                     "max_position_embeddings"),
+                 # (transformers' Kimi Linear ties nothing, whatever tie_word_embeddings says)
+                 tie_embeddings=fields.flag("tie_word_embeddings") and family != "kimi_linear", family=family,
+                 **local_rope)
     # (a family's switches may say a size its own way: Llama 4's dense blocks are intermediate_size_mlp wide)
     args = ModelArgs(**shape | family_switches(fields, family, n_layers))
     # The MTP module (DeepSeek-V3's, the Qwen hybrids'), where the folder holds its weights (transformers' saves do not)
@@ -251,7 +260,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
                      "swiglu_limit": args.swiglu_limit, "swiglu_alpha": args.swiglu_alpha}
     if args.family == "deepseek_v3":
         computed |= deepseek_fields(args) | {"attention_bias": args.qkv_bias}
-    elif args.kv_lora_rank:
+    elif args.kv_lora_rank and args.family != "kimi_linear":
         raise ConfigError(f"checkpoint: a {args.family} config.json has no latent attention (export it as deepseek_v3)")
     computed |= gemma_fields(args)
     if args.family == "llama4_text":
@@ -264,9 +273,12 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
         computed |= qwen_hybrid_fields(args) | kept_multimodal_rope(computed["rope_scaling"], source)
     elif args.family == "olmo_hybrid":
         computed |= olmo_hybrid_fields(args)
+    elif args.family == "kimi_linear":
+        computed |= kimi_fields(args)
     elif args.linear_layers or args.attention_gate or args.shared_expert_gate:
         raise ConfigError(f"checkpoint: a {args.family} config.json has no linear attention, gated attention or "
-                          "gated shared expert; this model has (export it as qwen3_next, qwen3_5_text or olmo_hybrid)")
+                          "gated shared expert; this model has (export it as qwen3_next, qwen3_5_text, olmo_hybrid or "
+                          "kimi_linear)")
     if args.family == "glm4_moe":
         computed |= glm_fields(args)
     elif args.rotary_dim and args.family not in QWEN_HYBRIDS:

@@ -27,7 +27,7 @@ READ = ("hidden_act", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_t
         "attn_temperature_tuning", "attn_scale", "floor_scale", "attention_chunk_size", "linear_conv_kernel_dim",
         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
         "linear_allow_neg_eigval", "linear_a_log_min", "linear_a_log_max", "linear_dt_min", "linear_dt_max",
-        "linear_dt_init_floor")
+        "linear_dt_init_floor", "linear_num_heads", "linear_head_dim", "mlp_layer_types")
 
 COMMON = {"hidden_act": "silu", "num_key_value_heads": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False}
@@ -87,6 +87,14 @@ DEFAULTS = {
                              "linear_value_head_dim": None, "linear_conv_kernel_dim": 4,
                              "linear_allow_neg_eigval": True, "linear_a_log_min": 0.0, "linear_a_log_max": 16.0,
                              "linear_dt_min": 0.001, "linear_dt_max": 0.1, "linear_dt_init_floor": 1e-4},
+    # (its expert fields by the class's names; config.json may use the attribute map's: plait/hf/kimi.py)
+    "kimi_linear": COMMON | {"num_key_value_heads": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576,
+                             "attention_bias": False, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                             "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                             "qk_rope_head_dim": 64, "v_head_dim": 128, "n_shared_experts": 1,
+                             "routed_scaling_factor": 2.446, "n_group": 1, "topk_group": 1, "layer_types": None,
+                             "mlp_layer_types": None, "linear_conv_kernel_dim": 4, "linear_num_heads": 32,
+                             "linear_head_dim": 128},
     "mixtral": COMMON | {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
                          "max_position_embeddings": 131072, "sliding_window": None, "num_experts_per_tok": 2,
                          "router_jitter_noise": 0.0},
@@ -116,6 +124,7 @@ NULLABLE = {
     "gemma3_text": {"layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
     "mixtral": {"head_dim", "sliding_window"}, "qwen3_next": {"mlp_only_layers", "layer_types"},
     "qwen3_5_text": {"layer_types"}, "qwen3_5_moe_text": {"layer_types"},
+    "kimi_linear": {"num_key_value_heads", "q_lora_rank", "layer_types", "mlp_layer_types"},
     "olmo_hybrid": {"num_key_value_heads", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim"},
 }

@@ -31,6 +31,7 @@ import torch
 
 from plait.config import ConfigError
 from plait.hf.fields import Fields
+from plait.hf.kimi import kimi_name
 from plait.models.args import ModelArgs
 
 # The Qwen hybrids' model types, and their switches: their config.json cannot turn them off
@@ -41,7 +42,7 @@ QWEN3_NEXT = {"qk_norm": "head", "zero_centered_norms": True, "attention_gate": 
 MTP_FIELDS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_text": "mtp_num_hidden_layers",
               "qwen3_5_moe_text": "mtp_num_hidden_layers"}
 MTP_OWN = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "shared_head.norm": "norm"}
-HYBRIDS = (*QWEN_HYBRIDS, "olmo_hybrid")
+HYBRIDS = (*QWEN_HYBRIDS, "olmo_hybrid", "kimi_linear")  # (Kimi Linear's config and names: plait/hf/kimi.py)
 LINEAR_TYPES = "a list of full_attention and linear_attention"
 
 
@@ -212,9 +213,10 @@ def fused_tensors(args: ModelArgs, block: int) -> dict[str, tuple[tuple[str, ...
         ratio, keys = args.linear_value_heads // args.linear_key_heads, args.linear_key_heads * args.linear_key_dim
         dk, dv = args.linear_key_dim, args.linear_value_dim
         values = args.linear_value_heads * dv
-        conv = {"linear_attn.conv1d.weight": (("attention.conv_q", "attention.conv_k", "attention.conv_v"),
-                                              (keys, keys, values), 1)}
-        if args.family == "olmo_hybrid":  # (its projections are one each)
+        mixer = "self_attn" if args.family == "kimi_linear" else "linear_attn"
+        conv = {f"{mixer}.conv1d.weight": (("attention.conv_q", "attention.conv_k", "attention.conv_v"),
+                                           (keys, keys, values), 1)}
+        if args.family in ("olmo_hybrid", "kimi_linear"):  # (their projections are one each)
             return conv
         if args.family != "qwen3_next":  # (Qwen3.5: q, k and v apart from z, b and a, whole heads one after the other)
             qkv = tuple(f"attention.w{kind}.weight" for kind in "qkv")
@@ -230,10 +232,10 @@ def fused_tensors(args: ModelArgs, block: int) -> dict[str, tuple[tuple[str, ...
 
 
 def on_disk(args: ModelArgs, whole: str) -> list[str]:
-    """The tensors on disk of one that holds several of plait's: itself; but OLMo hybrid's convolution,
-    stored as q's, k's and v's, which transformers concatenates when it reads them, whatever each
-    holds (its own saves cut the whole in thirds)."""
-    if args.family == "olmo_hybrid" and whole.endswith("linear_attn.conv1d.weight"):
+    """The tensors on disk of one that holds several of plait's: itself; but OLMo hybrid's and Kimi
+    Linear's convolution, stored as q's, k's and v's, which transformers concatenates when it reads
+    them, whatever each holds (its own saves cut the whole in thirds)."""
+    if args.family in ("olmo_hybrid", "kimi_linear") and whole.endswith("conv1d.weight"):
         return [whole.replace("conv1d", f"{kind}_conv1d") for kind in "qkv"]
     return [whole]
 
@@ -299,6 +301,8 @@ def hybrid_name(args: ModelArgs, block: int, rest: str) -> str | None:
         return held[0]
     if args.family == "olmo_hybrid":
         return (OLMO_LINEAR_NAMES if args.linear(block) else OLMO_ATTENTION_NAMES).get(rest)
+    if args.family == "kimi_linear":
+        return kimi_name(args, block, rest)
     if args.linear(block) and rest in LINEAR_NAMES:
         return LINEAR_NAMES[rest]
     module, kind = rest.rsplit(".", 1)

@@ -43,16 +43,11 @@ Parameter names (plait -> Hugging Face):
     Gemma 3's sandwich: attention_norm, post_attention_norm, ffn_norm, post_ffn_norm -> input_layernorm,
                                                post_attention_layernorm, pre_feedforward_layernorm,
                                                post_feedforward_layernorm
+    Kimi Linear: a linear block's and a sparse block's own names, plait/hf/kimi.py
     norm.weight                             -> model.norm.weight
     output.weight                           -> lm_head.weight
 
-RoPE layout: plait (like Meta's reference) rotates interleaved pairs (x0, x1), (x2, x3), ...
-of each head; Hugging Face rotates the two halves (x_i, x_{i+d/2}). The rotation is the same
-once each head's entries of the query and key projections are reordered: plait entry 2i -> HF
-entry i, plait 2i+1 -> HF i + d/2 (`to_hf_rope_order`; `from_hf_rope_order` is its inverse),
-in wq and wk's rows, their biases and the q/k norms' weights alike; where RoPE rotates a head's
-first `rotary_dim` entries alone (GLM-4.5), those are reordered and the rest stay. (Blocks
-without RoPE are reordered too: q and k permuted alike leave every q.k, so the model, unchanged.)
+RoPE's order of q and k's rows differs between plait and Hugging Face: plait/hf/rope_order.py.
 """
 
 from __future__ import annotations
@@ -74,6 +69,8 @@ from plait.hf.config import describe_difference
 from plait.hf.config import model_args as hf_model_args
 from plait.hf.hybrid import (HYBRIDS, QWEN_HYBRIDS, fused_part, fused_whole, holder, hybrid_name, on_disk,
                              qwen_mtp_name)
+from plait.hf.kimi import SPARSE, disk_shape, stored_names
+from plait.hf.rope_order import from_hf_rope_order, rope_reordered, to_hf_rope_order
 from plait.models.args import ModelArgs
 
 LAYER_NAMES = {
@@ -106,8 +103,6 @@ BLOCK_NORMS = {"pre": {"attention_norm": "input_layernorm", "ffn_norm": "post_at
                "post": {"attention_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"},
                "sandwich": {"attention_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                             "ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm"}}
-ROPE_ORDERED = ("wq.weight", "wk.weight", "wq.bias", "wk.bias", "q_norm.weight", "k_norm.weight", "q_proj_norm.weight",
-                "k_proj_norm.weight")
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -140,7 +135,7 @@ def layer_names(name: str, args: ModelArgs) -> list[str]:
     if args.family in FUSED_EXPERTS and rest.startswith("feed_forward.experts."):
         return [f"model.layers.{index}.{FUSED_EXPERTS[args.family]}.{GPT_OSS_EXPERTS[rest.rsplit('.', 1)[1]][0]}"]
     if rest in EXPERTS:
-        if args.family == "mixtral":
+        if args.family in ("mixtral", "kimi_linear"):
             return [f"model.layers.{index}.{MIXTRAL}.experts.{e}.{rest.rsplit('.', 1)[1]}.weight"
                     for e in range(args.n_experts)]
         return [f"model.layers.{index}.mlp.experts.{e}.{EXPERTS[rest]}.weight" for e in range(args.n_experts)]
@@ -154,7 +149,7 @@ def hf_name(name: str, args: ModelArgs) -> str:
     if int(index) >= args.n_layers and rest.rsplit(".", 1)[0] in MTP_NAMES:  # (the MTP module's own)
         return f"model.layers.{index}.{MTP_NAMES[rest.rsplit('.', 1)[0]]}.{rest.rsplit('.', 1)[1]}"
     if rest == ROUTER_BIAS:
-        return f"model.layers.{index}.mlp.gate.e_score_correction_bias"
+        return f"model.layers.{index}.{SPARSE if args.family == 'kimi_linear' else 'mlp'}.gate.e_score_correction_bias"
     if args.family in HYBRIDS and (named := hybrid_name(args, int(index), rest)):
         return f"model.layers.{index}.{named}"
     module, kind = rest.rsplit(".", 1)
@@ -208,29 +203,6 @@ def held_with_others(name: str, args: ModelArgs) -> tuple[str, list[str], tuple[
     return qwen_mtp_name(f"model.layers.{block}.{whole}", args), [prefix + n for n in names], rows, groups
 
 
-def rope_reordered(name: str, args: ModelArgs) -> bool:
-    """Whether `name`'s rows are in RoPE's interleaved order here and in halves on disk (latent
-    attention's and Llama 4's are interleaved on disk too)."""
-    layer = LAYER.match(name)
-    linear = layer is not None and args.linear(int(layer.group(1)))  # (a linear block's q and k: no RoPE)
-    return name.endswith(ROPE_ORDERED) and not args.kv_lora_rank and args.family != "llama4_text" and not linear
-
-
-def to_hf_rope_order(weight: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
-    """Each head's first `rotary` entries (those RoPE rotates) from interleaved pairs to halves."""
-    heads = weight.shape[0] // head_dim
-    head = weight.reshape(heads, head_dim, -1)
-    rotated = head[:, :rotary].unflatten(1, (rotary // 2, 2)).transpose(1, 2).flatten(1, 2)
-    return torch.cat([rotated, head[:, rotary:]], 1).reshape(weight.shape)
-
-
-def from_hf_rope_order(weight: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
-    heads = weight.shape[0] // head_dim
-    head = weight.reshape(heads, head_dim, -1)
-    rotated = head[:, :rotary].unflatten(1, (2, rotary // 2)).transpose(1, 2).flatten(1, 2)
-    return torch.cat([rotated, head[:, rotary:]], 1).reshape(weight.shape)
-
-
 def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Path, dtype: torch.dtype,
                   shard_bytes: int) -> list[str]:
     """Write the weights of a full plait state dict as safetensors into `out`: one
@@ -257,7 +229,7 @@ def write_weights(state_dict: dict[str, torch.Tensor], args: ModelArgs, out: Pat
             continue
         names = hf_names(name, args)
         for hf, piece in zip(names, tensor.unbind(0) if len(names) > 1 else [tensor]):
-            tensors[hf] = piece.to(dtype).contiguous()
+            tensors[hf] = piece.reshape(disk_shape(args, hf) or piece.shape).to(dtype).contiguous()
     for k in range(args.mtp_layers * (args.family not in QWEN_HYBRIDS)):  # DeepSeek-V3's MTP layer holds copies
         # of the embedding and output layer
         tensors[f"model.layers.{args.n_layers + k}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
@@ -317,11 +289,13 @@ def check(folder: Path, args: ModelArgs, option: str) -> dict[str, Path]:
     if differ:
         raise ConfigError(f"{option}: {folder} holds another model than this run's ({differ} in this run)")
     present = weight_files(folder, option)
+    present |= {ours: present[stored] for ours, stored in stored_names(present, args).items()}
     used = [hf for n in parameter_shapes(args)[0] + buffer_names(args) for hf in hf_names(n, args)]
     missing = [hf for hf in used if hf not in present]
     if missing:
         raise ConfigError(f"{option}: {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    unused = sorted(set(present) - set(used) - {name for name in present if no_weight(name, args)})
+    unused = sorted(set(present) - set(used) - set(stored_names(present, args).values())
+                    - {name for name in present if no_weight(name, args)})
     if unused:
         raise ConfigError(f"{option}: {folder} holds {len(unused)} tensor(s) that the model of its config.json does "
                           f"not use: {unused[:3]}{' ...' if len(unused) > 3 else ''}")
@@ -354,7 +328,7 @@ def parameter_shapes(args: ModelArgs) -> tuple[list[str], dict[str, torch.Size]]
 
 def buffer_names(args: ModelArgs) -> list[str]:
     """The buffers a family's folder holds (DeepSeek-V3's routers' balancing biases)."""
-    if args.family not in ("deepseek_v3", "glm4_moe"):
+    if args.family not in ("deepseek_v3", "glm4_moe", "kimi_linear"):
         return []
     return [f"layers.{i}.{ROUTER_BIAS}" for i in range(args.n_layers) if args.sparse(i)] + \
         [f"mtp.{k}.block.{ROUTER_BIAS}" for k in range(args.mtp_layers) if args.sparse(args.n_layers + k)]
@@ -367,6 +341,7 @@ class HFWeights(Mapping):
 
     def __init__(self, folder: Path, args: ModelArgs, option: str):
         self.args, self.option, self.files = args, option, check(folder, args, option)
+        self.stored = stored_names(self.files, args)  # (plait's name on disk -> the folder's, where they differ)
         self.names, self.shapes = parameter_shapes(args)
         self.buffers = {name: self[name] for name in buffer_names(args)}  # (small: read at once)
 
@@ -374,7 +349,7 @@ class HFWeights(Mapping):
         pieces = []
         for hf in hf_names(name, self.args):
             with safe_open(str(self.files[hf]), "pt") as weights:
-                pieces.append(weights.get_tensor(hf).float())
+                pieces.append(weights.get_tensor(self.stored.get(hf, hf)).float())
         held = held_with_others(name, self.args)
         try:  # (an expert tensor's slices stacked; the parts on disk of one holding several, joined)
             tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if held else torch.stack(pieces)
@@ -382,6 +357,8 @@ class HFWeights(Mapping):
                 tensor = fused_expert(name, tensor, self.args.family).contiguous()
             if held is not None:
                 tensor = fused_part(tensor, name, *held[1:]).contiguous()
+            if disk_shape(self.args, hf_names(name, self.args)[0]) == tuple(tensor.shape):
+                tensor = tensor.reshape(self.shapes[name])
             if rope_reordered(name, self.args):
                 tensor = from_hf_rope_order(tensor, self.args.head_dim, self.args.rope_dim)
         except RuntimeError:  # (a shape the reordering cannot take: refused below)

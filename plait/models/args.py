@@ -117,6 +117,9 @@ class ModelArgs:
     linear_norm_eps: float = 0.0
     linear_a_init: tuple[float, float] = (1.0, 16.0)
     linear_dt_init: tuple[float, ...] = ()
+    # Kimi Delta Attention (Kimi Linear): the gate per key channel, and the gate and the output gate each
+    # through a bottleneck of linear_key_dim (the output gate a sigmoid): plait/models/linear_attention.py
+    linear_channel_gates: bool = False
     attention_gate: bool = False  # attention's output times sigmoid(a gate projection), per entry (Qwen3-Next)
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(a projection to 1) (Qwen3-Next)
 

@@ -43,6 +43,10 @@ OLMO_HYBRID = dict(qk_norm="projection", post_norm=True, linear_norm_eps=1e-5, l
 QWEN3_5 = QWEN3_NEXT | dict(head_dim=256, rotary_dim=64, linear_layers=tuple(i for i in range(32) if i % 4 != 3),
                             linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128,
                             family="qwen3_5_text")
+# Kimi Linear's: Kimi Delta Attention (gates per key channel, through bottlenecks; Mamba's init) among
+# latent attention blocks without RoPE, DeepSeek-V3's router with a shared expert, the first block dense
+KIMI_LINEAR = dict(linear_channel_gates=True, linear_a_init=(1.0, 16.0), linear_dt_init=(0.001, 0.1, 1e-4),
+                   router="sigmoid", n_shared_experts=1, route_scale=2.446, dense_layers=(0,), family="kimi_linear")
 FLAVORS = {
     "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=0, multiple_of=64),
     "small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=0, multiple_of=256),
@@ -204,6 +208,20 @@ FLAVORS = {
                                 linear_layers=tuple(i for i in range(32) if i % 4 != 3),
                                 linear_key_heads=30, linear_value_heads=30, linear_key_dim=96, linear_value_dim=192,
                                 nope_layers=tuple(range(3, 32, 4)), **OLMO_HYBRID),
+    # Kimi Linear: the CPU test size (a dense Kimi Delta Attention block of 2 heads of 16, then a sparse
+    # latent attention block without RoPE; chunks of 16) and Kimi-Linear-48B-A3B (every fourth block
+    # latent attention, and the last)
+    "debug_kimi": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=0, multiple_of=64,
+                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_experts=8,
+                            top_k=2, moe_hidden=64, linear_layers=(0,), nope_layers=(1,), linear_key_heads=2,
+                            linear_value_heads=2, linear_key_dim=16, linear_value_dim=16, linear_chunk=16,
+                            **KIMI_LINEAR),
+    "kimi_linear_48b_a3b": ModelArgs(dim=2304, n_layers=27, n_heads=32, n_kv_heads=32, vocab_size=163840,
+                                     ffn_hidden=9216, max_seq_len=1048576, kv_lora_rank=512, qk_nope_head_dim=128,
+                                     qk_rope_head_dim=64, v_head_dim=128, n_experts=256, top_k=8, moe_hidden=1024,
+                                     linear_layers=tuple(i for i in range(27) if i % 4 != 3 and i != 26),
+                                     nope_layers=(*range(3, 27, 4), 26), linear_key_heads=32, linear_value_heads=32,
+                                     linear_key_dim=128, linear_value_dim=128, **KIMI_LINEAR),
     # Qwen3.5's language models, the shapes transformers' config classes name (Qwen3.5-9B, dense; and
     # Qwen3.5-35B-A3B, experts in every block): for plan
     "qwen3_5_9b": ModelArgs(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, vocab_size=248320, ffn_hidden=12288,

@@ -36,8 +36,10 @@ class KeyLatents(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, args: ModelArgs, window: int = 0):
+    def __init__(self, args: ModelArgs, window: int = 0, rope: bool = True):
         super().__init__()
+        self.rope = rope  # (False: Kimi Linear's, no position but the order the linear blocks give; the
+        # rope entries computed and used unrotated, as transformers' KimiLinearAttention does)
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_rank, self.head_dim = args.kv_lora_rank, args.head_dim
         self.qk_norm = "none"  # (no per-head norm: what tensor parallelism's plan asks of any attention)
@@ -63,11 +65,11 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], -1)
         # One RoPE key, every head's. Keys: the tokens at hand (under context parallelism the
         # sequence's), in the compute dtype (an autocast norm may return fp32; wkv_b would cast it).
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope) if self.rope else k_rope.unsqueeze(2)
         latent, k_rope = self.key_latents(self.kv_a_norm(latent).to(k_rope.dtype), k_rope)
         k_nope, v = self.wkv_b(latent).view(batch, latent.shape[1], -1, self.nope + self.v_dim).split(
             [self.nope, self.v_dim], -1)
-        q = torch.cat([q_nope, apply_rope(q_rope, rope)], -1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope) if self.rope else q_rope], -1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], -1)
         if cache is not None:  # generation: every earlier position's keys and values too (expanded)
             k, v = cache.extend(self, k, v, self.core.window)

@@ -119,17 +119,27 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out.transpose(1, 2), state
 
 
-def decayed_products(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, pairs: torch.Tensor,
-                     block: int = 16) -> torch.Tensor:
+def decayed_products(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """sum_c a_ic b_jc exp(decay_ic - decay_jc) for the pairs j <= i that `pairs` [.., chunk, chunk]
     holds (0 elsewhere), of a and b [.., chunk, width] and decay [.., chunk, 1 or width], which
-    falls (never rises) along the chunk. Every exponential is of a difference <= 0: with one
-    channel, the pairwise factor of a @ b^T; per channel, the chunk cut in blocks of `block`:
-    a block's pairs with earlier positions as a matmul of a and b each decayed to the block's first
-    position, its pairs within it summed over [block, block, width] (flash-linear-attention's split)."""
+    falls (never rises) along the chunk: every exponential is of a difference <= 0. With one
+    channel, the pairwise factor of a @ b^T; per channel, `channel_products`, recomputed in
+    backward from its inputs: what it would keep ([block, block, width] per position) measured
+    74 x key dim fp32 values a head and token, 1.2 MB a token in each of Kimi-Linear-48B's linear
+    blocks (compiled, the partitioner decides)."""
     if decay.shape[-1] == 1:
         gap = (decay[..., :, None, 0] - decay[..., None, :, 0]).masked_fill(~pairs, float("-inf"))
         return a @ b.transpose(-1, -2) * gap.exp()
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return checkpoint(channel_products, a, b, decay, pairs, use_reentrant=False)
+    return channel_products(a, b, decay, pairs)
+
+
+def channel_products(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, pairs: torch.Tensor,
+                     block: int = 16) -> torch.Tensor:
+    """`decayed_products` with a decay per channel: the chunk cut in blocks of `block`, a block's
+    pairs with earlier positions as a matmul of a and b each decayed to the block's first position,
+    its pairs within it summed over [block, block, width] (flash-linear-attention's split)."""
     chunk = a.shape[-2]
     block = next(size for size in range(min(block, chunk), 0, -1) if chunk % size == 0)
     blocks = chunk // block
@@ -160,21 +170,24 @@ def l2_normalized(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of each head's output, times SiLU of its gate: weight x x / rms(x) x silu(z), as
-    transformers' Qwen3-Next rounds it (the norm in fp32, back to the input dtype before the gain).
-    One weight shared by every head (tensor parallelism's `gain` reads it whole on each rank)."""
+    """RMSNorm of each head's output, times its gate: weight x x / rms(x) x silu(z), as
+    transformers' Qwen3-Next rounds it (the norm in fp32, back to the input dtype before the gain);
+    `sigmoid`: weight x x / rms(x) x sigmoid(z), all in fp32 (Kimi Delta Attention's). One weight
+    shared by every head (tensor parallelism's `gain` reads it whole on each rank)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, sigmoid: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.sigmoid = eps, sigmoid
         self.weight = nn.Parameter(torch.ones(dim))
 
     def gain(self) -> torch.Tensor:
         return self.weight
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (self.gain() * normed * F.silu(gate.float())).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.sigmoid:
+            return (self.gain().float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+        return (self.gain() * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -182,9 +195,14 @@ class GatedDeltaNet(nn.Module):
     the output gate z, the step b and the gate a from the block's input; q and k L2-normalised;
     the gated delta rule; each head's output normed and gated by z; the output projection.
 
+    Kimi Delta Attention (`linear_channel_gates`): the gate a per key channel (a head's rate e^A_log
+    times softplus of a dt per channel), a and z each from a key-dim-wide bottleneck (wa_down,
+    wz_down), z through a sigmoid.
+
     Separate projections (transformers' Qwen3-Next fuses q/k/v/z and b/a, interleaved by key
     head): tensor parallelism splits each by heads column-wise, and the convolution's weights,
-    A_log and dt_bias with them (their `local` is the rank's share)."""
+    A_log and dt_bias with them (their `local` is the rank's share); the bottlenecks are whole on
+    each rank."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -194,15 +212,20 @@ class GatedDeltaNet(nn.Module):
         self.wq = nn.Linear(args.dim, keys, bias=False)
         self.wk = nn.Linear(args.dim, keys, bias=False)
         self.wv = nn.Linear(args.dim, values, bias=False)
-        self.wz = nn.Linear(args.dim, values, bias=False)
+        self.channel_gates = args.linear_channel_gates
+        if self.channel_gates:  # (Kimi's f_a/f_b and g_a/g_b)
+            self.wa_down = nn.Linear(args.dim, self.key_dim, bias=False)
+            self.wz_down = nn.Linear(args.dim, self.key_dim, bias=False)
+        gate_input = self.key_dim if self.channel_gates else args.dim
+        self.wz = nn.Linear(gate_input, values, bias=False)
         self.wb = nn.Linear(args.dim, heads, bias=False)
-        self.wa = nn.Linear(args.dim, heads, bias=False)
+        self.wa = nn.Linear(gate_input, keys if self.channel_gates else heads, bias=False)
         self.conv_q = nn.Parameter(torch.empty(keys, args.linear_conv))
         self.conv_k = nn.Parameter(torch.empty(keys, args.linear_conv))
         self.conv_v = nn.Parameter(torch.empty(values, args.linear_conv))
         self.A_log = nn.Parameter(torch.empty(heads))  # the gate's rate per head: g = -e^A_log x dt
-        self.dt_bias = nn.Parameter(torch.ones(heads))
-        self.out_norm = GatedRMSNorm(self.value_dim, args.linear_norm_eps or args.norm_eps)
+        self.dt_bias = nn.Parameter(torch.ones(keys if self.channel_gates else heads))
+        self.out_norm = GatedRMSNorm(self.value_dim, args.linear_norm_eps or args.norm_eps, sigmoid=self.channel_gates)
         self.wo = nn.Linear(values, args.dim, bias=False)
         self.chunk = args.linear_chunk
         self.step_scale = 2.0 if args.linear_negative_eigenvalues else 1.0
@@ -219,9 +242,14 @@ class GatedDeltaNet(nn.Module):
         batch, seq, _ = x.shape
         documents = mask.get("documents") if isinstance(mask, dict) else mask  # (FlexAttention's: BlockMasks too)
         beta = torch.sigmoid(self.wb(x)) * self.step_scale
-        g = -self.local("A_log").float().exp() * F.softplus(self.wa(x).float() + self.local("dt_bias"))
+        rate = self.local("A_log").float().exp()
+        if self.channel_gates:  # [batch, seq, heads, key dim]: each head's rate times each channel's dt
+            dt = F.softplus(self.wa(self.wa_down(x)).float() + self.local("dt_bias"))
+            g = -rate[:, None] * dt.view(batch, seq, -1, self.key_dim)
+        else:  # [batch, seq, heads]
+            g = -rate * F.softplus(self.wa(x).float() + self.local("dt_bias"))
         out = self.mix([self.wq(x), self.wk(x), self.wv(x)], g, beta, documents, cache)
-        z = self.wz(x).view(batch, seq, -1, self.value_dim)
+        z = self.wz(self.wz_down(x) if self.channel_gates else x).view(batch, seq, -1, self.value_dim)
         out = self.out_norm(out.to(x.dtype), z)
         return self.wo(out.reshape(batch, seq, -1))
 

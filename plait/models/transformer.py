@@ -33,7 +33,7 @@ class TransformerBlock(nn.Module):
         self.post_norm, self.sandwich_norm = args.post_norm and not args.linear(index), args.sandwich_norm
         self.attention_norm = model_norm(args.dim, args)
         self.attention = GatedDeltaNet(args) if args.linear(index) else \
-            LatentAttention(args, args.window(index)) if args.kv_lora_rank else \
+            LatentAttention(args, args.window(index), rope=index not in args.nope_layers) if args.kv_lora_rank else \
             Attention(args, rope=index not in args.nope_layers, window=args.window(index), chunk=args.chunk(index))
         self.ffn_norm = model_norm(args.dim, args)
         self.feed_forward = MoE(args.dim, args) if args.sparse(index) else FeedForward(args)
@@ -289,10 +289,12 @@ def linear_mixing_flops(args: ModelArgs) -> float:
     value head: within its chunk k.k and q.k (2 x chunk x key dim), the scores times the
     corrections (chunk x value dim), the triangular solve for values and keys (chunk/2 x both
     widths), and the state read twice and written once (3 x key dim x value dim); 2 FLOPs a
-    multiply-add."""
+    multiply-add. A gate per key channel (Kimi Delta Attention) adds the products within blocks of
+    16 positions, per key channel (a multiply, a decay and a sum), in k.k and q.k, computed again
+    in backward: 4/3 of 3 x 16 x key dim."""
     dk, dv = args.linear_key_dim, args.linear_value_dim
     chunk = args.linear_chunk
-    per_head = chunk * (2 * dk + dv) + chunk * (dk + dv) / 2 + 3 * dk * dv
+    per_head = chunk * (2 * dk + dv) + chunk * (dk + dv) / 2 + 3 * dk * dv + args.linear_channel_gates * 64 * dk
     return 3 * 2 * args.linear_value_heads * per_head
 
 

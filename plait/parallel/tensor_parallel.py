@@ -127,6 +127,17 @@ class LinearHeadsParallel(ParallelStyle):
         return module
 
 
+class Replicated(ParallelStyle):
+    """A layer whole on each rank inside a DTensor computation (Kimi Delta Attention's gate
+    bottlenecks): its parameters replicated DTensors, so its replicated input gives a replicated
+    output, and its weights' gradients, the ranks' heads' parts, are summed by DTensor."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+        return module
+
+
 class WholeOnEachRank(ParallelStyle):
     """A linear layer or norm of latent attention before its heads split: replicated, run on the
     rank's whole (local) input. Its output's gradient on each rank is that rank's heads' part, so
@@ -233,6 +244,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
         }
         if isinstance(block.attention, GatedDeltaNet):
             plan |= {f"attention.{name}": ColwiseParallel() for name in ("wz", "wb", "wa")}
+            if block.attention.channel_gates:  # (the gates' bottlenecks, whole on each rank)
+                plan |= {f"attention.{name}": Replicated() for name in ("wa_down", "wz_down")}
             parallelize_module(block.attention, tp_mesh, LinearHeadsParallel())
         elif getattr(block.attention, "gated", False):  # (Qwen3-Next's output gate, split with the heads)
             plan["attention.wg"] = ColwiseParallel()

@@ -30,7 +30,7 @@ VOCAB, SEQ = 320, 40  # (windows are at most 16 keys, attention chunks of 8 or 2
 LOGITS_BOUND = 1e-5  # fp32, as tests/test_families.py: measured <= 5e-7, other kernel orders
 EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
            "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts", "llama4_text": "num_local_experts",
-           "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts"}
+           "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts", "kimi_linear": "num_local_experts"}
 ABSENT = object()  # a field left out of config.json
 
 
@@ -83,7 +83,7 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
               "hidden_size": draw(st.sampled_from([32, 64])), "intermediate_size": draw(st.sampled_from([24, 48])),
               "num_hidden_layers": layers, "num_attention_heads": heads, "eos_token_id": 0, "pad_token_id": None}
     head_dim = draw(st.sampled_from([8, 16]))
-    grouped = family in ("deepseek_v3", "glm4_moe")  # (DeepSeek-V3's router: groups of at least 2 experts)
+    grouped = family in ("deepseek_v3", "glm4_moe", "kimi_linear")  # (DeepSeek-V3's router: groups of >= 2 experts)
     experts = draw(st.sampled_from([4, 8] if grouped else [2, 4, 8]))
     if family in EXPERTS:  # (sizes: a default is one published model's, hundreds of experts)
         config |= {EXPERTS[family]: experts, "moe_intermediate_size": draw(st.sampled_from([16, 32]))}
@@ -136,6 +136,8 @@ def configs(draw, families: tuple[str, ...] | None = None) -> dict:
         "linear_value_head_dim": st.sampled_from([8, 16]), "linear_num_key_heads": st.sampled_from([1, 2]),
         "linear_num_value_heads": st.sampled_from([2, 4]), "linear_allow_neg_eigval": st.booleans(),
         "linear_a_log_min": st.sampled_from([0.0, 1.0]), "linear_dt_min": st.sampled_from([0.001, 0.01]),
+        "linear_num_heads": st.sampled_from([1, 2]), "linear_head_dim": st.sampled_from([8, 16]),
+        "mlp_layer_types": st.lists(st.sampled_from(["dense", "sparse"]), min_size=layers, max_size=layers),
     }
     nullable = nullable_fields(family)
     for name in class_fields(family):
@@ -355,6 +357,12 @@ PINNED = [
                            "original_max_position_embeddings": 8}),
     # DeepSeek-V3's default 8 groups for 2 experts: refused naming fields left out (their defaults)
     sized("deepseek_v3", n_routed_experts=2, moe_intermediate_size=16),
+    # Kimi Linear saying tie_word_embeddings true, which its transformers class does not tie: read tied
+    # (logits 1.6 apart); dense blocks after sparse ones: exported by mlp_layer_types, not refused
+    sized("kimi_linear", num_local_experts=2, moe_intermediate_size=16, num_experts_per_tok=1, kv_lora_rank=16,
+          q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, tie_word_embeddings=True, num_hidden_layers=2,
+          mlp_layer_types=["sparse", "dense"], layer_types=["linear_attention", "full_attention"],
+          linear_head_dim=8, linear_num_heads=2),
 ]
 GENERATOR = Generator(configs(), check, PINNED)
 
