@@ -40,14 +40,15 @@ def test_document_ids_and_positions_restart_after_each_end_of_text():
     assert mask[5].tolist() == [False, False, True, True, True, True, False, False]  # its document, up to itself
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug_sliding", "debug_hybrid", "debug_llama4"])
+@pytest.mark.parametrize("flavor", ["debug", "debug_sliding", "debug_hybrid", "debug_llama4", "debug_kimi"])
 def test_a_packed_sequence_computes_what_each_document_computes_alone(flavor):
     """Per-token losses of a packed window under the document mask equal those of each document
     run alone from position 0 (the end-of-text that opens it included): fp32, within 1e-6 (the
     same arithmetic on a different number of rows: matmul blocking may differ in the last bit).
     With a sliding block (a window of 8 keys: documents longer and shorter than it) too, with
-    a linear block (its state and convolution restarted at each document; chunks of 16), and with
-    Llama 4's chunked attention (chunks of 12 counted from each document's start)."""
+    a linear block (its state and convolution restarted at each document; chunks of 16; Kimi's,
+    a gate per key channel, before latent attention without RoPE), and with Llama 4's chunked
+    attention (chunks of 12 counted from each document's start)."""
     model = debug_model(flavor)
     tokens = packed([9, 20, 14, 7, 41], torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
