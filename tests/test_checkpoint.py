@@ -64,11 +64,16 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path, seed_ckpt):
 
 
 def _run_and_kill_after(args, step_line, nproc=1, only_rank=None):
-    """Start `plait train`; once `step_line` is printed, SIGKILL rank `only_rank` (the others
-    must then end by themselves) or, if None, the whole job."""
+    """Start `plait train`; once `step_line` ("step     N") is printed, SIGKILL rank `only_rank`
+    (the others must then end by themselves) or, if None, the whole job, which halts at the start
+    of step N + 1 (tests/inject: however late this reads the line, the job has saved nothing after
+    step N)."""
     command = [sys.executable, "-m", "plait", "train", "--nproc", str(nproc), *TINY, *args, "--metrics.log_interval", "1"]
+    env = os.environ if only_rank is not None else os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests" / "inject"), os.environ.get("PYTHONPATH")])),
+        "PLAIT_FAULT": f"halt:{int(step_line.split()[-1]) + 1}"}
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     watchdog = threading.Timer(180, os.killpg, (proc.pid, signal.SIGKILL))  # a hung job fails, not hangs, the test
     watchdog.start()
     try:

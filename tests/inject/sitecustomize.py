@@ -14,6 +14,9 @@ PLAIT_FAULT (tests/test_diagnostics.py), in the training step (plait.step):
   usr2:STEP       every rank sends itself SIGUSR2 at the start of step STEP (as a person would the job)
   slow:SECONDS    rank 1 sleeps SECONDS at the start of every step (a slower rank: the others wait for it)
   stall:STEP      rank 1 stops at the start of step STEP for good: the others wait in its collective
+  halt:STEP       every rank stops at the start of step STEP for good (tests/test_checkpoint.py: a job
+                  killed once an earlier step's line is out has gone no further, however late the
+                  test reads the line on a busy machine)
   inf_input       the embedding of the token at row 1, position 5 of step 1's first micro-batch is
                   inf (an input the model cannot take; one process)
 """
@@ -90,6 +93,11 @@ def plant(module) -> None:
             threading.Event().wait()  # (as a rank stuck in its data or a file system: no collective comes)
         return call(self, step)
 
+    def halting_call(self, step):
+        if step == int(arg):
+            threading.Event().wait()
+        return call(self, step)
+
     def signalling_call(self, step):
         if step == int(arg):
             os.kill(os.getpid(), signal.SIGUSR2)
@@ -103,6 +111,7 @@ def plant(module) -> None:
     patches = {"spike": {"__call__": spiking, "loss": spiked_loss}, "nan": {"__call__": nan_then_call},
                "nan_grad": {"__call__": nan_grad_call}, "usr2": {"__call__": signalling_call},
                "slow": {"__call__": slow_call}, "stall": {"__call__": stalling_call},
+               "halt": {"__call__": halting_call},
                "inf_input": {"loss": inf_input_loss}}
     for name, patched in patches[kind].items():
         setattr(step_class, name, patched)
