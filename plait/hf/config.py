@@ -25,7 +25,7 @@ from plait.hf.defaults import DEFAULTS
 from plait.hf.fields import Fields, family_fields
 from plait.hf.gemma import gemma_fields, gemma_switches
 from plait.hf.glm import glm_fields, glm_switches
-from plait.hf.kimi import kimi_fields, kimi_switches
+from plait.hf.kimi import aliased, kimi_fields, kimi_switches
 from plait.hf.hybrid import (QWEN_HYBRIDS, kept_multimodal_rope, olmo_hybrid_fields, olmo_hybrid_switches,
                              qwen_hybrid_fields, qwen_hybrid_switches, qwen_mtp_name, rope_off)
 from plait.hf.llama4 import llama4_fields, llama4_switches
@@ -210,7 +210,7 @@ def model_args(folder: Path, option: str) -> ModelArgs:
                  ffn_hidden=fields.integer("intermediate_size", required=True) if family != "qwen3_5_moe_text" else 0,
                  head_dim=head_dim, rotary_dim=rotary % head_dim, norm_eps=fields.number("rms_norm_eps"),
                  rope_theta=theta, rope_scaling=scaling, max_seq_len=fields.integer(
-                     "model_max_length" if family == "kimi_linear" and fields.has("model_max_length") else
+                     aliased(fields, "max_position_embeddings") if family == "kimi_linear" else
                      "max_position_embeddings"),
                  # (transformers' Kimi Linear ties nothing, whatever tie_word_embeddings says)
                  tie_embeddings=fields.flag("tie_word_embeddings") and family != "kimi_linear", family=family,

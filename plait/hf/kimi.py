@@ -38,7 +38,7 @@ ALIASES = {"num_experts_per_tok": "num_experts_per_token", "norm_topk_prob": "mo
 KINDS = ("full_attention", "linear_attention")
 
 
-def field(fields: Fields, name: str) -> str:
+def aliased(fields: Fields, name: str) -> str:
     """The name config.json gives the class's field `name` (its alias where it holds that one)."""
     return ALIASES[name] if name in ALIASES and fields.has(ALIASES[name]) else name
 
@@ -70,7 +70,7 @@ def kimi_switches(fields: Fields, n_layers: int) -> dict:
     taps = linear.integer("short_conv_kernel_size") if linear.has("short_conv_kernel_size") else \
         fields.integer("linear_conv_kernel_dim")
     experts = fields.integer("num_local_experts" if fields.has("num_local_experts") else "num_experts", required=True)
-    groups, top_groups = fields.integer(field(fields, "n_group")), fields.integer("topk_group")
+    groups, top_groups = fields.integer(aliased(fields, "n_group")), fields.integer("topk_group")
     full = tuple(i for i, kind in enumerate(types) if kind == "full_attention")
     return KIMI_LINEAR | {
         "linear_layers": tuple(i for i in range(n_layers) if i not in full), "nope_layers": full,
@@ -79,11 +79,11 @@ def kimi_switches(fields: Fields, n_layers: int) -> dict:
         "q_lora_rank": fields.integer("q_lora_rank", minimum=0) or 0, "kv_lora_rank": fields.integer("kv_lora_rank"),
         "qk_nope_head_dim": fields.integer("qk_nope_head_dim"), "qk_rope_head_dim": fields.integer("qk_rope_head_dim"),
         "v_head_dim": fields.integer("v_head_dim"), "n_experts": experts,
-        "top_k": fields.integer(field(fields, "num_experts_per_tok")),
+        "top_k": fields.integer(aliased(fields, "num_experts_per_tok")),
         "moe_hidden": fields.integer("moe_intermediate_size", required=True),
-        "n_shared_experts": fields.integer(field(fields, "n_shared_experts")),
+        "n_shared_experts": fields.integer(aliased(fields, "n_shared_experts")),
         "route_scale": fields.number("routed_scaling_factor"),
-        "normalize_top_k": bool(fields.flag(field(fields, "norm_topk_prob"))),
+        "normalize_top_k": bool(fields.flag(aliased(fields, "norm_topk_prob"))),
         "n_groups": groups if groups > 1 else 0, "topk_groups": top_groups if groups > 1 else 0,
         "dense_layers": tuple(i for i, kind in enumerate(mlp) if kind == "dense")}
 
@@ -100,17 +100,20 @@ def kimi_fields(args: ModelArgs) -> dict:
                      or args.attention_sinks or args.attention_gate or args.zero_centered_norms or args.ffn_bias
                      or args.expert_bias or args.router_bias or args.shared_expert_gate or args.mtp_layers)):
         raise ConfigError("checkpoint: a kimi_linear config.json has Kimi Delta Attention blocks among latent "
-                          "attention ones without RoPE, experts with DeepSeek-V3's router, and no MLP biases, q/k norms, windows, sinks, gates or MTP module; this model differs")
+                          "attention ones without RoPE, experts with DeepSeek-V3's router, and no MLP biases, q/k "
+                          "norms, windows, sinks, gates or MTP module; this model differs")
     return {"layer_types": ["linear_attention" if args.linear(i) else "full_attention" for i in range(args.n_layers)],
             "mlp_layer_types": ["sparse" if args.sparse(i) else "dense" for i in range(args.n_layers)],
             "linear_attn_config": {"full_attn_layers": [i + 1 for i in full],
-                                   "kda_layers": [i + 1 for i in args.linear_layers], "num_heads": args.linear_key_heads,
-                                   "head_dim": args.linear_key_dim, "short_conv_kernel_size": args.linear_conv},
+                                   "kda_layers": [i + 1 for i in args.linear_layers],
+                                   "num_heads": args.linear_key_heads, "head_dim": args.linear_key_dim,
+                                   "short_conv_kernel_size": args.linear_conv},
             "linear_num_heads": args.linear_key_heads, "linear_head_dim": args.linear_key_dim,
             "linear_conv_kernel_dim": args.linear_conv, "mla_use_nope": True, "q_lora_rank": args.q_lora_rank or None,
             "kv_lora_rank": args.kv_lora_rank, "qk_nope_head_dim": args.qk_nope_head_dim,
             "qk_rope_head_dim": args.qk_rope_head_dim, "v_head_dim": args.v_head_dim,
-            "head_dim": args.qk_rope_head_dim, "num_key_value_heads": args.n_heads, "num_experts": args.n_experts, "num_experts_per_token": args.top_k,
+            "head_dim": args.qk_rope_head_dim, "num_key_value_heads": args.n_heads, "num_experts": args.n_experts,
+            "num_experts_per_token": args.top_k,
             "moe_intermediate_size": args.moe_hidden, "num_shared_experts": args.n_shared_experts,
             "routed_scaling_factor": args.route_scale, "moe_renormalize": args.normalize_top_k,
             "num_expert_group": args.n_groups or 1, "topk_group": args.topk_groups or 1,
@@ -120,10 +123,10 @@ def kimi_fields(args: ModelArgs) -> dict:
 
 
 # A linear block's tensors on disk (its q/k/v and output projections are named as attention's)
-LINEAR_NAMES = {"attention.wb.weight": "self_attn.b_proj.weight", "attention.wa_down.weight": "self_attn.f_a_proj.weight",
-                "attention.wa.weight": "self_attn.f_b_proj.weight", "attention.wz_down.weight": "self_attn.g_a_proj.weight",
-                "attention.wz.weight": "self_attn.g_b_proj.weight", "attention.A_log": "self_attn.A_log",
-                "attention.dt_bias": "self_attn.dt_bias", "attention.out_norm.weight": "self_attn.o_norm.weight"}
+LINEAR_NAMES = {f"attention.{ours}": f"self_attn.{theirs}" for ours, theirs in {
+    "wb.weight": "b_proj.weight", "wa_down.weight": "f_a_proj.weight", "wa.weight": "f_b_proj.weight",
+    "wz_down.weight": "g_a_proj.weight", "wz.weight": "g_b_proj.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+    "out_norm.weight": "o_norm.weight"}.items()}
 SPARSE = "block_sparse_moe"  # a sparse block's feed-forward on disk (Mixtral's name)
 
 

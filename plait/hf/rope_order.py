@@ -17,7 +17,7 @@ from plait.models.args import ModelArgs
 
 ROPE_ORDERED = ("wq.weight", "wk.weight", "wq.bias", "wk.bias", "q_norm.weight", "k_norm.weight", "q_proj_norm.weight",
                 "k_proj_norm.weight")
-LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+LAYER = re.compile(r"layers\.(\d+)\.(.+)")  # a block's parameter: (block, its name in the block)
 
 
 def rope_reordered(name: str, args: ModelArgs) -> bool:

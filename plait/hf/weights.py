@@ -53,7 +53,6 @@ RoPE's order of q and k's rows differs between plait and Hugging Face: plait/hf/
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -70,7 +69,7 @@ from plait.hf.config import model_args as hf_model_args
 from plait.hf.hybrid import (HYBRIDS, QWEN_HYBRIDS, fused_part, fused_whole, holder, hybrid_name, on_disk,
                              qwen_mtp_name)
 from plait.hf.kimi import SPARSE, disk_shape, stored_names
-from plait.hf.rope_order import from_hf_rope_order, rope_reordered, to_hf_rope_order
+from plait.hf.rope_order import LAYER, from_hf_rope_order, rope_reordered, to_hf_rope_order
 from plait.models.args import ModelArgs
 
 LAYER_NAMES = {
@@ -105,7 +104,6 @@ BLOCK_NORMS = {"pre": {"attention_norm": "input_layernorm", "ffn_norm": "post_at
                             "ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm"}}
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
-LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
