@@ -8,6 +8,7 @@ verdict names the ranks that differ. The matmuls go through `torch.matmul`.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import socket
 
@@ -66,10 +67,24 @@ def hardware_checks(every: list[dict]) -> list[Check]:
     return checks
 
 
-def compute_checks(device: torch.device, seconds: float) -> list[Check]:
+def measured_in_turns(device: torch.device, seconds: float, local_world: int) -> dict:
+    """This rank's compute numbers. The ranks of a CPU node share its cores, so they take turns:
+    measured at once, each would time the scheduler's split of the cores (a healthy rank read as
+    slow), not what it computes with its threads. A GPU rank has its device to itself."""
+    if device.type == "cuda" or local_world == 1:
+        return measure_compute(device, seconds)
+    mine = int(os.environ.get("LOCAL_RANK", dist.get_rank() % local_world))
+    for turn in range(local_world):  # the nodes measure at once, each node's ranks one by one
+        if turn == mine:
+            numbers = measure_compute(device, seconds)
+        dist.barrier()
+    return numbers
+
+
+def compute_checks(device: torch.device, seconds: float, local_world: int) -> list[Check]:
     """Each rank's matmul speed (the best of its curve) per dtype; every compute number `plait
     plan --calibration` uses (matmul and memory speed by size, time per operator) in the data."""
-    numbers = gather(measure_compute(device, seconds))
+    numbers = gather(measured_in_turns(device, seconds, local_world))
     checks = []
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
