@@ -89,6 +89,11 @@ class SavedActivations:
             if ptr not in inputs:  # views and in-place ops return storages that already existed
                 self.alive[ptr] = StorageWeakRef(storage)
 
+    def forget(self, tree) -> None:
+        """`tree`'s storages are a collective's buffers, not activations."""
+        for ptr in _storages(tree):
+            self.alive.pop(ptr, None)
+
     def measure(self) -> None:
         # (A parameter by its inner tensors: FSDP2's float8 all-gather makes torchao tensors of them.)
         params = {ptr for m in self.model.modules() for p in m._parameters.values() if p is not None
@@ -137,6 +142,10 @@ class DtypeProbe(TorchDispatchMode):
             self.counts[(phase, "quantize", func._opname, cast)] += 1
         if phase == "forward":
             self.saved.created((args, kwargs), out)
+        if func._opname == "_allgather_base_":
+            # FSDP2's all-gather into its flat buffer: FSDP2 may hold that buffer past the copy-out
+            # (until its next all-gather), so whether it is alive when backward begins is timing
+            self.saved.forget((args, kwargs))
         return out
 
     def records(self) -> list[dict]:
