@@ -70,7 +70,7 @@ def run(cfg: DoctorConfig) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         node = network.node_group(local_world) if world > 1 else None
         areas = [("hardware", lambda: machine.hardware_checks(every_fact)),
-                 ("compute", lambda: machine.compute_checks(device, budget * 0.3, local_world)),
+                 ("compute", lambda: machine.compute_checks(device, budget * 0.3)),
                  ("corruption", lambda: machine.corruption_checks(device, every_fact)),
                  ("network", lambda: network.collective_checks(device, budget * 0.7, node) +
                   [network.latency_check(device)] if world > 1 else []),

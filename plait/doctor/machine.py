@@ -8,7 +8,6 @@ verdict names the ranks that differ. The matmuls go through `torch.matmul`.
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import socket
 
@@ -67,24 +66,10 @@ def hardware_checks(every: list[dict]) -> list[Check]:
     return checks
 
 
-def measured_in_turns(device: torch.device, seconds: float, local_world: int) -> dict:
-    """This rank's compute numbers. The ranks of a CPU node share its cores, so they take turns:
-    measured at once, each would time the scheduler's split of the cores (a healthy rank read as
-    slow), not what it computes with its threads. A GPU rank has its device to itself."""
-    if device.type == "cuda" or local_world == 1:
-        return measure_compute(device, seconds)
-    mine = int(os.environ.get("LOCAL_RANK", dist.get_rank() % local_world))
-    for turn in range(local_world):  # the nodes measure at once, each node's ranks one by one
-        if turn == mine:
-            numbers = measure_compute(device, seconds)
-        dist.barrier()
-    return numbers
-
-
-def compute_checks(device: torch.device, seconds: float, local_world: int) -> list[Check]:
+def compute_checks(device: torch.device, seconds: float) -> list[Check]:
     """Each rank's matmul speed (the best of its curve) per dtype; every compute number `plait
     plan --calibration` uses (matmul and memory speed by size, time per operator) in the data."""
-    numbers = gather(measured_in_turns(device, seconds, local_world))
+    numbers = gather(measure_compute(device, seconds))
     checks = []
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
