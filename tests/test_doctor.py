@@ -86,7 +86,13 @@ def test_world_4_names_the_rank_of_each_fault(tmp_path):
     assert f"rank 3: torch {torch.__version__}.other" in checks["hardware: versions"]["measured"]
     assert verdicts["corruption: exact matmuls"] == ("FAIL", [1])
     assert verdicts["corruption: random matmuls"] == ("FAIL", [1])
-    assert verdicts["compute: float32 matmul"] == verdicts["compute: bfloat16 matmul"] == ("WARN", [2])
+    # Rank 2 is named and is the slowest. Four ranks share two cores here, beside another test's
+    # job: a healthy rank can honestly measure under half the median too (CI measured rank 0 at
+    # 0.31x in one bf16 run), so what else is named is not asserted.
+    for name in ("compute: float32 matmul", "compute: bfloat16 matmul"):
+        assert verdicts[name][0] == "WARN" and 2 in verdicts[name][1], (name, checks[name])
+        every = checks[name]["values"]["flops_per_rank"]
+        assert every.index(min(every)) == 2, (name, every)
     assert verdicts["storage: write"] == ("FAIL", [0]) and "File too large" in checks["storage: write"]["measured"]
     for name in ("hardware: devices", "corruption: training steps", "training: losses"):
         assert verdicts[name] == ("PASS", []), (name, checks[name])
