@@ -87,7 +87,7 @@ def test_world_4_names_the_rank_of_each_fault(tmp_path):
     assert verdicts["corruption: exact matmuls"] == ("FAIL", [1])
     assert verdicts["corruption: random matmuls"] == ("FAIL", [1])
     # Rank 2 is named and is the slowest. Four ranks share two cores here, beside another test's
-    # job: a healthy rank can honestly measure under half the median too (CI measured rank 0 at
+    # job: a healthy rank can honestly measure under half the median too (rank 0 measured
     # 0.31x in one bf16 run), so what else is named is not asserted.
     for name in ("compute: float32 matmul", "compute: bfloat16 matmul"):
         assert verdicts[name][0] == "WARN" and 2 in verdicts[name][1], (name, checks[name])
