@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BF16, LAYOUTS, REPORTS, STEPS, TINY, layout_run, losses
 from plait import plan
-from plait.plan import comm, memory
+from plait.plan import comm, memory, parameters
 from plait.cli import main
 from plait.arguments import parse_args
 from plait.checks import check_options
@@ -112,10 +112,10 @@ def check(train_once, name: str, precision: str, extra: list[str] = ()) -> dict:
     options = [*STEPS, *args, *PRECISIONS[precision], *autocast, *extra]
     rows, probe = train_once(world, *options)
     cfg = check_options(parse_args([*TINY, *options]), world)
-    model, stages = plan.model_shape(cfg), memory.rank_stages(cfg, 0)
+    model, stages = plan.model_shape(cfg), parameters.rank_stages(cfg, 0)
     p = cfg.parallelism
-    layout = memory.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
-    state = memory.state_bytes(memory.rank_parameters(model, cfg, stages), layout, cfg.optimizer.name)
+    layout = parameters.Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
+    state = parameters.state_bytes(parameters.rank_parameters(model, cfg, stages), layout, cfg.optimizer.name)
     assert state / 2**30 == rows[0]["state_gib"], (name, precision, state)
     predicted = {"state": state}
     parts = PARTLY.get(name, {"state", "activations", "comm"}) & (AUTOCAST_PARTS if autocast else ALL_PARTS)

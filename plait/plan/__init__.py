@@ -1,8 +1,8 @@
 """`plait plan`: which layouts fit a job in a device's memory, and which is fastest, before launch.
 
-Every prediction is arithmetic on the model's shapes (memory.py: state, activations, buffers;
-comm.py: collectives; speed.py: time), and each is checked against a measurement in the tests
-(tests/test_plan.py; the time in tests/test_doctor.py):
+Every prediction is arithmetic on the model's shapes (parameters.py: what a rank holds, its
+state; memory.py: activations, buffers; comm.py: collectives; speed.py: time), and each is checked
+against a measurement in the tests (tests/test_plan.py; the time in tests/test_doctor.py):
 
 - state: parameters + gradients + AdamW moments and step counters of one rank, from each
   parameter's local shard (TP split first, then FSDP's dim-0 chunk): equals `state_gib`.

@@ -14,8 +14,8 @@ from plait.config import JobConfig, dp_degree
 from plait.models.args import ModelArgs
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.features import latent_gather, sequence_aux, ulysses_degree, ulysses_kv_heads, window_tail_keys
-from plait.plan.memory import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
-                               plan_name, rank_parameters, rank_stages, units)
+from plait.plan.parameters import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output,
+                                   local_rows_cols, plan_name, rank_parameters, rank_stages, units)
 
 LATENT = re.compile(r"attention\.(wq_a|q_a_norm|wkv_a|kv_a_norm)\.")  # whole on every TP rank
 

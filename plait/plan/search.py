@@ -18,7 +18,8 @@ from plait.models.args import ModelArgs
 from plait.models.transformer import flops_per_token
 from plait.plan.calibration import Calibration
 from plait.plan.comm import collectives
-from plait.plan.memory import Layout, activation_bytes, buffer_bytes, rank_parameters, rank_stages, state_bytes
+from plait.plan.memory import activation_bytes, buffer_bytes
+from plait.plan.parameters import Layout, rank_parameters, rank_stages, state_bytes
 from plait.plan.speed import share, step_time
 
 AC_MODES = ("none", "selective", "full")

@@ -37,8 +37,9 @@ from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.calibration import BUS_FACTOR, Calibration, at, cpu_share, operator_counts
 from plait.plan.timing import timed
 from plait.plan.features import latent_gather, masked, ulysses_degree
-from plait.plan.memory import (Layout, block_activation_bytes, block_indices, gathered_elements, holds_output,
-                               local_rows_cols, parameter_shapes, plan_name, rank_parameters, stage_blocks, units)
+from plait.plan.memory import block_activation_bytes
+from plait.plan.parameters import (Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
+                                   parameter_shapes, plan_name, rank_parameters, stage_blocks, units)
 
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written

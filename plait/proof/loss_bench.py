@@ -30,7 +30,8 @@ from plait.checks import check_options
 from plait.models.flavors import FLAVORS
 from plait.models.transformer import Transformer, initial_value
 from plait.models.weights import fill_weights
-from plait.plan.memory import activation_bytes, buffer_bytes, rank_parameters
+from plait.plan.memory import activation_bytes, buffer_bytes
+from plait.plan.parameters import rank_parameters
 
 GIB = 2**30
 
