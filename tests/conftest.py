@@ -97,6 +97,13 @@ def run_plait(tmp_path: Path, *args: str, nproc: int = 1, check: bool = True, ti
     return rows, proc
 
 
+def plait_forked(*argv: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m plait ARGV` in ROOT, forked from the fork server (its ~4 s of imports done): for a
+    command whose results a test reads. (What a fresh process prints at start-up, a one-line refusal
+    say, is proven by the tests that start one.)"""
+    return launch(list(argv), 1, timeout, env=env, forked=True)
+
+
 class ForkServer:
     """The tests' end of tests/forkserver.py, started at the first forked launch."""
 

@@ -13,16 +13,19 @@ import threading
 import pytest
 import torch
 
-from conftest import ROOT, TINY, descendants, environ, launch, losses, max_abs_diff, run_plait
+from conftest import ROOT, TINY, descendants, environ, launch, losses, max_abs_diff, plait_forked, run_plait
 
 pytestmark = pytest.mark.slow
 
 
 def plait(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "plait", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    """`plait ARGS`; with `check`, a command whose results the test reads (forked: its imports done),
+    else one whose refusal it reads, from a fresh process as a user's."""
     if check:
+        proc = plait_forked(*args)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+        return proc
+    return subprocess.run([sys.executable, "-m", "plait", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ task, and the named validation sets are the validation loss's code. (The scores 
 against the single device are columns of the parity matrix: tests/test_parity.py.)"""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, run_plait, validation_text
+from conftest import ROOT, TINY, plait_forked, run_plait, validation_text
 from plait.config import ConfigError, Eval
 from plait.data.tokenizer import train_bpe
 from plait.evals import TaskSuite
@@ -53,8 +52,7 @@ def test_plait_eval_refuses_a_max_length_beyond_the_model_s_positions(tmp_path, 
     from plait.cli import main
 
     checkpoint = tmp_path / "seed"
-    subprocess.run([*PLAIT, "seed-checkpoint", *TINY, "--model.max_seq_len", "64", "--out", str(checkpoint)],
-                   check=True, capture_output=True, cwd=ROOT)
+    assert plait_forked("seed-checkpoint", *TINY, "--model.max_seq_len", "64", "--out", str(checkpoint)).returncode == 0
     task = tmp_path / "long.jsonl"
     task.write_text(json.dumps({**GOOD, "context": "word " * 150}) + "\n")
     assert main(["eval", "--checkpoint", str(checkpoint), "--tasks", str(task), "--max_length", "100"]) == 2
@@ -171,14 +169,13 @@ def test_plait_eval_scores_as_lm_evaluation_harness_does_on_the_export(tmp_path,
                         "--data.val_path", str(val), "--training.eval_steps", "1", "--eval.loss_sets", f"prose:{val}")
     in_loop = rows[-1]
     export = tmp_path / "export"
-    subprocess.run([*PLAIT, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(export), "--dtype",
-                    "float32"], check=True, capture_output=True, cwd=ROOT)
+    assert plait_forked("export", "--checkpoint", str(tmp_path / "run"), "--out", str(export), "--dtype",
+                        "float32").returncode == 0
     samples = tmp_path / "samples.jsonl"
 
     def plait_eval(checkpoint):
-        proc = subprocess.run([*PLAIT, "eval", "--checkpoint", str(checkpoint), "--tasks", str(task), "--num_fewshot",
-                               "2", "--max_length", "64", "--samples", str(samples), "--json"],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = plait_forked("eval", "--checkpoint", str(checkpoint), "--tasks", str(task), "--num_fewshot", "2",
+                            "--max_length", "64", "--samples", str(samples), "--json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout), [json.loads(line)["log_likelihoods"] for line in samples.read_text().splitlines()]
 
@@ -211,10 +208,8 @@ def test_the_default_job_learns_the_bundled_task_and_scores_named_validation_set
     val = tmp_path / "val.txt"
     val.write_text(validation_text())
     metrics = tmp_path / "metrics.jsonl"
-    env = {**os.environ, "PLAIT_CACHE": os.environ.get("PLAIT_CACHE", str(tmp_path / "cache"))}
-    proc = subprocess.run([*PLAIT, "train", "--eval.interval", "30", "--eval.loss_sets", f"prose:{val}",
-                           "--data.val_path", str(val), "--training.eval_steps", "1", "--metrics.jsonl", str(metrics)],
-                          capture_output=True, text=True, cwd=ROOT, env=env)
+    proc = plait_forked("train", "--eval.interval", "30", "--eval.loss_sets", f"prose:{val}", "--data.val_path", str(val),
+                        "--training.eval_steps", "1", "--metrics.jsonl", str(metrics))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     scored = [row for row in rows if "eval_sample_acc" in row]

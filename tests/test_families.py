@@ -13,13 +13,11 @@ the same config.json, and a folder trained and exported keeps the source's token
 import inspect
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, run_plait
+from conftest import ROOT, plait_forked, run_plait
 from test_hf import plait_model
 
 transformers = pytest.importorskip("transformers")
@@ -379,8 +377,8 @@ def test_a_trained_and_exported_folder_keeps_its_family_config_and_tokenizer_fil
                             "--checkpoint.folder", str(checkpoints), "--checkpoint.interval", "2")
         assert len(rows) == 2
         exported = tmp_path / f"{family}-exported"
-        subprocess.run([sys.executable, "-m", "plait", "export", "--checkpoint", str(checkpoints / "step-2"), "--out",
-                        str(exported), "--dtype", "float32"], check=True, cwd=ROOT, capture_output=True)
+        assert plait_forked("export", "--checkpoint", str(checkpoints / "step-2"), "--out", str(exported), "--dtype",
+                            "float32").returncode == 0
         saved, written = (json.loads((f / "config.json").read_text()) for f in (source, exported))
         assert {k: v for k, v in written.items() if k != "torch_dtype"} == \
             {k: v for k, v in saved.items() if k not in ("dtype", "rope_parameters")} | \

@@ -3,14 +3,13 @@ float8 all-gather moves (profiler traces), checkpoints that stay fp32 master wei
 refusals. The parity rows are in test_parity (the shared runs of conftest.LAYOUTS)."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BF16, FLOAT8, LAYOUTS, MXFP8, ROOT, ROWWISE, STEPS, TINY, degrees, layout_run, losses, run_plait
+from conftest import (BF16, FLOAT8, LAYOUTS, MXFP8, ROWWISE, STEPS, TINY, degrees, layout_run, losses, plait_forked,
+                      run_plait)
 from plait import float8
 from plait.checkpoint.offline import load_full_state_dict
 from plait.arguments import parse_args
@@ -153,8 +152,7 @@ def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_with_and_with
     assert [row["step"] for row in plain] == [3, 4] and max(abs(a - b) for a, b in zip(losses(plain), whole[2:])) < 2e-3
     # The Hugging Face export of a float8 checkpoint: its fp32 master weights, as of any run.
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "plait", "export", "--checkpoint", str(tmp_path / "ck" / "step-2"),
-                           "--out", str(out), "--dtype", "float32"], capture_output=True, text=True, cwd=ROOT)
+    proc = plait_forked("export", "--checkpoint", str(tmp_path / "ck" / "step-2"), "--out", str(out), "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported = load_file(out / "model.safetensors")
     saved = load_full_state_dict(tmp_path / "ck" / "step-2", model_args("debug", 512), "checkpoint")

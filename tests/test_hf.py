@@ -8,7 +8,6 @@ bitwise, sharded or not, tied or not; and a folder plait trained and exported ge
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY, run_plait
+from conftest import ROOT, TINY, plait_forked, run_plait
 
 from plait.hf.config import FAMILIES
 
@@ -139,16 +138,14 @@ def test_a_trained_and_exported_folder_generates_in_transformers_as_plait_genera
     # The run took the folder's tokenizer, and its checkpoint keeps it.
     kept = tmp_path / "c" / "step-2" / "tokenizer.json"
     assert len(rows) == 2 and kept.read_text() == (source / "tokenizer.json").read_text()
-    plait_cmd = [sys.executable, "-m", "plait"]
     exported = tmp_path / "exported"
-    subprocess.run([*plait_cmd, "export", "--checkpoint", str(tmp_path / "c" / "step-2"), "--out", str(exported),
-                    "--dtype", "float32"], check=True, cwd=ROOT, capture_output=True)
+    assert plait_forked("export", "--checkpoint", str(tmp_path / "c" / "step-2"), "--out", str(exported),
+                        "--dtype", "float32").returncode == 0
     prompt = "Tensor parallelism splits"
 
     def plait_generate(checkpoint, *extra):
-        proc = subprocess.run([*plait_cmd, "generate", "--checkpoint", str(checkpoint), "--prompt", prompt,
-                               "--max_new_tokens", "12", "--temperature", "0", "--ids", *extra],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = plait_forked("generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--max_new_tokens", "12",
+                            "--temperature", "0", "--ids", *extra)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.startswith(prompt)
         return generated_ids(proc.stderr)
@@ -256,9 +253,8 @@ def test_plan_takes_a_folders_tokenizer_and_tokenizes_nothing(folders, tmp_path)
     shutil.copytree(folders("tinyllama"), folder)
     train_bpe([(ROOT / "README.md").read_text()], 300).save(str(folder / "tokenizer.json"))
     cache = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "plait", "plan", "--world", "2", "--device_memory_gib", "1",
-                           "--checkpoint.load", str(folder)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PLAIT_CACHE": str(cache)})
+    proc = plait_forked("plan", "--world", "2", "--device_memory_gib", "1", "--checkpoint.load", str(folder),
+                        env={"PLAIT_CACHE": str(cache)})
     assert proc.returncode == 0 and "plan: best: " in proc.stdout, proc.stderr[-2000:]
     assert not cache.exists() or not list(cache.iterdir())
 
@@ -266,9 +262,8 @@ def test_plan_takes_a_folders_tokenizer_and_tokenizes_nothing(folders, tmp_path)
 def test_plan_reads_the_model_of_a_hugging_face_folder(folders):
     """plait plan builds the folder's model (tied, llama3-scaled RoPE: its shape must hash) and
     plans it without a pipeline, which a tied model refuses."""
-    proc = subprocess.run([sys.executable, "-m", "plait", "plan", "--world", "2", "--device_memory_gib", "1",
-                           "--checkpoint.load", str(folders("llama3.2")), *TINY, "--data.vocab_size", "300"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = plait_forked("plan", "--world", "2", "--device_memory_gib", "1", "--checkpoint.load", str(folders("llama3.2")),
+                        *TINY, "--data.vocab_size", "300")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("dp_replicate=")]
     assert rows and "plan: best: " in proc.stdout and not any("pp=2" in row for row in rows)

@@ -3,12 +3,10 @@ world, `plait plan` says it fits its stated hardware in the layout the recipe ho
 two steps on a CPU with its model cut to two small blocks (model.shrink)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, plait_forked
 from plait.arguments import CONFIG_DIR, parse_args
 from plait.checks import check_model, check_options
 from plait.cli import main
@@ -69,13 +67,12 @@ def test_a_recipe_trains_two_steps_on_a_cpu_shrunk(name, tmp_path):
         seed, hf = tmp_path / "seed", tmp_path / "qwen3"
         for argv in (["seed-checkpoint", "--model.flavor", "debug_qwen3", "--out", str(seed)],
                      ["export", "--checkpoint", str(seed), "--out", str(hf), "--dtype", "float32"]):
-            subprocess.run([sys.executable, "-m", "plait", *argv], check=True, capture_output=True, cwd=ROOT)
+            assert plait_forked(*argv).returncode == 0
         start = ["--checkpoint.load", str(hf)]
     else:
         start = ["--model.shrink"]
     metrics = tmp_path / "metrics.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "plait", "train", "--config", name, *start, *CPU, "--metrics.jsonl",
-                           str(metrics)], capture_output=True, text=True, cwd=ROOT)
+    proc = plait_forked("train", "--config", name, *start, *CPU, "--metrics.jsonl", str(metrics))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)

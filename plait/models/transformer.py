@@ -8,6 +8,7 @@ parallelism plans and checkpoints can address them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -262,6 +263,7 @@ def num_params(model: nn.Module, exclude_embedding: bool = False, active: bool =
     return total
 
 
+@functools.cache  # (a meta model each time it is asked: every step's metrics ask it)
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 per non-embedding parameter a token uses (of a mixture of
     experts, its top_k experts) plus attention scores.
