@@ -169,8 +169,9 @@ def launch(argv: list[str], nproc: int, timeout: float, nodes: int = 1, env: dic
     itself is proven by the tests that run `plait train --nproc` or torchrun). As the agent does,
     a rank that fails stops the others (a peer would otherwise wait for it until the timeout),
     3 s on. `nodes` > 1 numbers the ranks as that many machines of nproc / nodes ranks would.
-    `forked`: from the fork server (~4 s of imports less per process), else started by Python
-    (which then runs its start-up as usual: a sitecustomize on PYTHONPATH, say)."""
+    `forked`: from the fork server (~4 s of imports less per process, which runs a sitecustomize
+    that `env`'s PYTHONPATH adds after the imports), else started by Python (its start-up as
+    usual: a sitecustomize before any import)."""
     with socket.socket() as probe:  # a free port for rank 0's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

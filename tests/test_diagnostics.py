@@ -26,7 +26,7 @@ def faulty(tmp_path, fault: str, nproc: int, *args: str):
     """`plait train` with `fault` planted; (metric rows, completed process)."""
     env = {"PLAIT_FAULT": fault, "PYTHONPATH": os.pathsep.join(filter(None, [INJECT, os.environ.get("PYTHONPATH")]))}
     metrics = tmp_path / "metrics.jsonl"
-    proc = launch(["train", *TINY, *args, "--metrics.jsonl", str(metrics)], nproc, 300, env=env)
+    proc = launch(["train", *TINY, *args, "--metrics.jsonl", str(metrics)], nproc, 300, env=env, forked=True)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return rows, proc
 

@@ -138,7 +138,16 @@ class Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def when_imported(name: str, patch) -> None:
+    """Patch module `name` now if it is imported (in a process forked after its imports:
+    tests/forkserver.py), else once it is."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, Hook(name, patch))
+
+
 if os.environ.get("PLAIT_HOLD"):
-    sys.meta_path.insert(0, Hook("plait.preemption", hold))
+    when_imported("plait.preemption", hold)
 if FAULT:
-    sys.meta_path.insert(0, Hook("plait.step", plant))
+    when_imported("plait.step", plant)
