@@ -158,7 +158,8 @@ def test_resume_steps_every_rank_with_this_runs_optimizer_options(tmp_path):
            "PLAIT_TEST_GROUPS": str(tmp_path / "groups")}
     new = ["--training.steps", "4", "--optimizer.betas", "0.5", "0.6", "--optimizer.eps", "1e-3",
            "--training.warmup_steps", "1"]
-    proc = launch(["train", *TINY, *new, *folder, "--metrics.jsonl", str(tmp_path / "m.jsonl")], 2, 300, env=env)
+    proc = launch(["train", *TINY, *new, *folder, "--metrics.jsonl", str(tmp_path / "m.jsonl")], 2, 300, env=env,
+                  forked=True)  # (its sitecustomize registers a global hook: after the fork server's imports too)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     for rank in (0, 1):
@@ -595,7 +596,7 @@ def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path, monkeypatch):
     (tmp_path / "site" / "sitecustomize.py").write_text(STALE_VIEW)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
     resumed, proc = run_plait(tmp_path, "--training.steps", "6", *folder, "--comm.timeout_seconds", "30", nproc=2,
-                              check=False, timeout=180, forked=False)  # (a forked rank runs no sitecustomize)
+                              check=False, timeout=180, forked=False)  # (fresh: it patches before plait's imports)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"rank 1 sees {tmp_path / 'c' / 'step-4'} as missing" in proc.stderr  # and would resume step 2
     assert f"resumed from {tmp_path / 'c' / 'step-4'}" in proc.stdout
