@@ -152,7 +152,8 @@ def test_a_float8_checkpoint_holds_fp32_master_weights_and_resumes_with_and_with
     assert [row["step"] for row in plain] == [3, 4] and max(abs(a - b) for a, b in zip(losses(plain), whole[2:])) < 2e-3
     # The Hugging Face export of a float8 checkpoint: its fp32 master weights, as of any run.
     out = tmp_path / "hf"
-    proc = plait_forked("export", "--checkpoint", str(tmp_path / "ck" / "step-2"), "--out", str(out), "--dtype", "float32")
+    proc = plait_forked("export", "--checkpoint", str(tmp_path / "ck" / "step-2"), "--out", str(out),
+                        "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported = load_file(out / "model.safetensors")
     saved = load_full_state_dict(tmp_path / "ck" / "step-2", model_args("debug", 512), "checkpoint")

@@ -262,8 +262,8 @@ def test_plan_takes_a_folders_tokenizer_and_tokenizes_nothing(folders, tmp_path)
 def test_plan_reads_the_model_of_a_hugging_face_folder(folders):
     """plait plan builds the folder's model (tied, llama3-scaled RoPE: its shape must hash) and
     plans it without a pipeline, which a tied model refuses."""
-    proc = plait_forked("plan", "--world", "2", "--device_memory_gib", "1", "--checkpoint.load", str(folders("llama3.2")),
-                        *TINY, "--data.vocab_size", "300")
+    proc = plait_forked("plan", "--world", "2", "--device_memory_gib", "1", "--checkpoint.load",
+                        str(folders("llama3.2")), *TINY, "--data.vocab_size", "300")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("dp_replicate=")]
     assert rows and "plan: best: " in proc.stdout and not any("pp=2" in row for row in rows)
