@@ -1,6 +1,6 @@
 """Per-rank memory of a layout, from the model's shapes (the state: parameters.py): saved
-activations per activation-checkpoint mode (exact for every layout the tests run, an upper bound for the
-interleaved and V pipeline schedules), and buffers (an estimate).
+activations per activation-checkpoint mode (exact for every layout the tests run, an upper bound
+for the interleaved and V pipeline schedules), and buffers (an estimate).
 
 A rank's pipeline stages (`stages`, None without a pipeline) say which parameters it holds; the
 first rank of each pipeline rank is predicted, holding the largest FSDP chunk (ceil).
