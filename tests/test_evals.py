@@ -208,8 +208,9 @@ def test_the_default_job_learns_the_bundled_task_and_scores_named_validation_set
     val = tmp_path / "val.txt"
     val.write_text(validation_text())
     metrics = tmp_path / "metrics.jsonl"
-    # (a fresh process: this job runs one thread per core, and forked from the fork server it trained
-    # 5x slower beside another busy process here, 548 against 3,000 tok/s; a one-thread job does not)
+    # (in the test's own session, not forked: the fork server's children get sessions of their own, and
+    # where the kernel shares CPU by session (autogroups) this job's thread per core trained 6x slower
+    # beside a busy process, 548 against 3,371 tok/s)
     proc = subprocess.run([*PLAIT, "train", "--eval.interval", "30", "--eval.loss_sets", f"prose:{val}",
                            "--data.val_path", str(val), "--training.eval_steps", "1", "--metrics.jsonl", str(metrics)],
                           capture_output=True, text=True, cwd=ROOT)
