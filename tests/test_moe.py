@@ -98,10 +98,10 @@ def test_aux_loss_adds_its_gradient_and_leaves_the_output():
 def test_regroup_orders_tokens_by_expert_then_sender():
     received = torch.tensor([[2, 1], [0, 3]])  # sender 0: 2 for expert 0, 1 for expert 1; sender 1: 0, 3
     rows = ["s0e0", "s0e0", "s0e1", "s1e1", "s1e1", "s1e1"]
-    assert [rows[i] for i in regroup(received).tolist()] == ["s0e0", "s0e0", "s0e1", "s1e1", "s1e1", "s1e1"]
+    assert [rows[i] for i in regroup(received, len(rows)).tolist()] == ["s0e0", "s0e0", "s0e1", "s1e1", "s1e1", "s1e1"]
     received = torch.tensor([[1, 1], [2, 1]])
     rows = ["s0e0", "s0e1", "s1e0", "s1e0", "s1e1"]
-    assert [rows[i] for i in regroup(received).tolist()] == ["s0e0", "s1e0", "s1e0", "s0e1", "s1e1"]
+    assert [rows[i] for i in regroup(received, len(rows)).tolist()] == ["s0e0", "s1e0", "s1e0", "s0e1", "s1e1"]
 
 
 def test_qwen3_30b_a3b_has_its_published_parameter_counts():

@@ -61,7 +61,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
         # Compile each block's (checkpointed) forward in place: FQNs stay those of the plain model, and the
         # hooks that sharding adds around the module call stay outside the compiled graph.
         for block in model.blocks():
-            block.forward = compiled_forward(block, whole=cfg.parallelism.ep == 1)
+            if cfg.parallelism.ep > 1 and isinstance(block.feed_forward, MoE):
+                compile_regions(block)
+            else:
+                block.forward = compiled_forward(block.forward)
         model.loss.compile_chunks()  # (each chunk's logits, loss and gradient: plait/models/loss.py)
         # Every block shares one code object, whose graphs dynamo caches together, each guarded on
         # its block's kind (window or chunk, RoPE, experts, linear attention): the blocks of K kinds
@@ -75,7 +78,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
         apply_tp(model, mesh["tp"], cfg.parallelism.sequence_parallel, cfg.parallelism.loss_parallel)
     experts = expert_mesh(mesh, cfg.parallelism.ep) if cfg.parallelism.ep > 1 else None
     if experts is not None:  # start-up allows ep with fsdp2 alone
-        apply_ep(model, experts["ep"])
+        apply_ep(model, experts["ep"], cfg.compile.enable)
     if backend == "simple_fsdp":
         apply_simple_fsdp(model, mesh, precision, cfg.parallelism.reshard_after_forward, ac, n_blocks)
     elif backend == "fsdp2":
@@ -99,22 +102,34 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     return model
 
 
-def compiled_forward(block: nn.Module, whole: bool = True):
-    """The block's forward compiled, taking its input waited on. Under TP the embedding hands the
-    first block its output as an AsyncCollectiveTensor (its all-reduce not yet waited on), and a
+def compiled_forward(forward, fullgraph: bool = True):
+    """`forward` compiled, taking its input waited on. Under TP the embedding hands the first
+    block its output as an AsyncCollectiveTensor (its all-reduce not yet waited on), and a
     compiled graph given one returns no gradient for it: the embedding trained on zeros (torch
     2.13, fp32 and bf16, with or without SP). `wait_tensor` is differentiable and copies nothing.
-    One graph per block (`fullgraph`: a break is an error), but for a mixture of experts under ep
-    (`whole` False): its experts are an FSDP2 unit of their own inside the block, whose hooks
-    dynamo does not trace, and its all-to-alls' split sizes are token counts read on the host."""
-    compiled = torch.compile(block.forward, fullgraph=whole or not isinstance(block.feed_forward, MoE))
+    One graph (`fullgraph`: a break is an error)."""
+    compiled = torch.compile(forward, fullgraph=fullgraph)
 
-    def forward(x, *args, **kwargs):
+    def waited(x, *args, **kwargs):
         if isinstance(x, AsyncCollectiveTensor):
             x = wait_tensor(x)
         return compiled(x, *args, **kwargs)
 
-    return forward
+    return waited
+
+
+def compile_regions(block: nn.Module) -> None:
+    """A mixture-of-experts block under ep, compiled by regions, each one graph: the block's
+    other parts (norms, attention) and the layer's router and shared experts; ep compiles the
+    experts' own computation between its all-to-alls (plait/parallel/expert_parallel.py). What is
+    left eager is not traceable as one graph: the experts are an FSDP2 unit of their own inside
+    the block, whose hooks dynamo does not trace, and the all-to-alls' split sizes are token
+    counts read on the host. (torchtitan compiles its MoE blocks under ep the same way.)"""
+    moe = block.feed_forward
+    for parent, skipped in ((block, moe), (moe, moe.experts)):
+        for child in parent.children():
+            if child is not skipped:
+                child.forward = compiled_forward(child.forward)
 
 
 def gradient_sync(model: nn.Module, enabled: bool):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -66,24 +66,27 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"))
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, compiled: bool = False) -> None:
     """Keep this rank's experts of every MoE layer (a DTensor sharded on the expert dimension) and
-    route each layer's tokens to the ranks of their experts. On the meta device, before FSDP2."""
+    route each layer's tokens to the ranks of their experts. On the meta device, before FSDP2.
+    `compiled`: the experts' computation between the all-to-alls is one compiled graph."""
     for moe in moe_layers(model):
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             # (empty_like of a slice: a weight wrapper, torchao's MXFP8 experts', keeps its class)
             local = torch.empty_like(param.narrow(0, 0, param.shape[0] // ep_mesh.size()))
             experts.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
-        experts.forward = DispatchedExperts(experts, ep_mesh.get_group())
+        experts.forward = DispatchedExperts(experts, ep_mesh.get_group(), compiled)
 
 
 class DispatchedExperts:
     """The experts' forward under ep: (tokens sorted by expert, counts per expert, all E) in and
     out as without ep; in between, each rank runs its own experts on every token sent to them."""
 
-    def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup):
+    def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup, compiled: bool = False):
         self.experts, self.group = [experts], group  # (a list: not a submodule)
+        # (the tokens a rank receives vary by step: their count is a dynamic size of the graph)
+        self.local_experts = torch.compile(local_experts, fullgraph=True) if compiled else local_experts
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, experts = dist.get_world_size(self.group), self.experts[0]
@@ -94,15 +97,28 @@ class DispatchedExperts:
             received = received.view(ep, local)
         send, receive = counts.view(ep, local).sum(1).tolist(), received.sum(1).tolist()
         tokens = all_to_all_single_autograd(x, receive, send, self.group)
-        # Arrived grouped by sender, then expert; the experts want them grouped by expert, then
-        # sender: each expert's tokens in the order the ranks hold them, as on one device.
-        order = regroup(received)
-        local = [ScaleGradient.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3,
-                                                                     *experts.biases())]
-        out = swiglu_experts(tokens[order], received.sum(0), *local[:3], tuple(local[3:]), experts.limit, experts.alpha)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
-        return all_to_all_single_autograd(out[back], send, receive, self.group)
+        if self.local_experts is not local_experts:
+            # Waited on here, not inside the graph, where a checkpoint's forward would not see the
+            # wait that its recomputation (eager, at the first use) does.
+            tokens = wait_tensor(tokens)
+            torch._dynamo.mark_dynamic(tokens, 0)
+        weights = [ScaleGradient.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3,
+                                                                       *experts.biases())]
+        out = self.local_experts(tokens, received, weights, experts.limit, experts.alpha)
+        return all_to_all_single_autograd(out, send, receive, self.group)
+
+
+def local_experts(tokens: torch.Tensor, received: torch.Tensor, weights: list[torch.Tensor], limit: float,
+                  alpha: float) -> torch.Tensor:
+    """This rank's experts (`weights`: w1, w2, w3 and any biases, local) on the tokens it received,
+    grouped by sender, then expert (`received` [senders, experts] of each), returned in that order.
+    The experts want them grouped by expert, then sender: each expert's tokens in the order the
+    ranks hold them, as on one device."""
+    order = regroup(received, tokens.shape[0])
+    out = swiglu_experts(tokens[order], received.sum(0), *weights[:3], tuple(weights[3:]), limit, alpha)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return out[back]
 
 
 class ScaleGradient(torch.autograd.Function):
@@ -118,10 +134,12 @@ class ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def regroup(received: torch.Tensor) -> torch.Tensor:
-    """The permutation that takes rows grouped (sender, expert) to rows grouped (expert, sender),
-    given the count of each (sender, expert) group [senders, experts]."""
+def regroup(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """The permutation that takes `rows` rows grouped (sender, expert) to rows grouped (expert,
+    sender), given the count of each (sender, expert) group [senders, experts] (`rows` their sum:
+    every size known without reading the counts on the host)."""
     starts = (received.flatten().cumsum(0) - received.flatten()).view_as(received)
     counts, starts = received.t().flatten(), starts.t().flatten()
-    within = torch.arange(int(counts.sum()), device=counts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    return torch.repeat_interleave(starts, counts) + within
+    within = torch.arange(rows, device=counts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                                output_size=rows)
+    return torch.repeat_interleave(starts, counts, output_size=rows) + within
