@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)  # this checkout's plait, whichever one an editable ins
 import plait.cli  # noqa: E402
 import plait.doctor  # noqa: E402,F401 (imported for the children: it imports plait.train)
 import plait.parallel.pipeline  # noqa: E402,F401 (and the pipeline rows' schedules, which plait.train imports late)
+import torch._inductor.compile_fx  # noqa: E402,F401 (torch.compile's compiler, ~1.2 s imported at a run's first graph)
 from plait.arguments import parse_args  # noqa: E402
 
 parse_args([])  # (tyro's first parse builds what it caches of JobConfig's fields, ~0.15 s: once here, not per child)

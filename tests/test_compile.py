@@ -30,6 +30,7 @@ from plait.precision import TrainContexts, resolve
 from plait.proof.trace import eager_fraction
 
 pytestmark = pytest.mark.slow
+AC_FULL = ["--activation_checkpoint.mode", "full"]
 CLASSIC_DDP = ["--parallelism.dp_backend", "ddp", "--parallelism.dp_replicate", "2",
                "--training.mixed_precision_mode", "autocast"]
 
@@ -51,7 +52,7 @@ EVALUATED = ("single", "pp", "tp", "cp")
     # grad norm 0.4% low from step 1) until the block waited on it: measured 4.8e-7
     ("tp", [], [], 1e-6),
     # activation checkpointing inside the compiled blocks (eager side: test_plan's AC run)
-    ("fsdp2", [], ["--activation_checkpoint.mode", "full"], 1e-6),
+    ("fsdp2", [], AC_FULL, 1e-6),
     # CP2: the K/V all-gather (functional collectives) and the query blocks inside the graph: measured bitwise
     ("cp", [], [], 1e-6),
     # float8 tensorwise under FSDP2 (float8 all-gather), fp32: inductor fuses each cast's amax, scale
@@ -65,13 +66,13 @@ EVALUATED = ("single", "pp", "tp", "cp")
     # EP2: the experts' blocks compiled by regions around the experts' FSDP2 unit and the
     # all-to-alls, the experts' own work one graph of a dynamic token count; under full AC, whose
     # recomputation meets the all-to-all's wait (measured 4.8e-7 with or without AC)
-    ("ep2_moe", [], ["--activation_checkpoint.mode", "full"], 1e-6),
+    ("ep2_moe", [], AC_FULL, 1e-6),
 ], ids=["single-fp32", "fsdp2-param", "ddp-autocast", "pp2-fp32", "tp2-fp32", "fsdp2-fp32-ac-full", "cp2-fp32",
          "fsdp2-float8", "single-moe-fp32", "ep2-moe-ac-full"])
 def test_compiled_blocks_match_eager(tmp_path, train_once, layout, precision, mode, tolerance):
-    # The eager run without `mode`, shared with the parity tests: activation checkpointing
-    # changes no eager loss (bitwise: test_plan's AC runs).
-    eager, _ = layout_run(train_once, layout, precision)
+    # The eager run, shared with the parity tests; activation checkpointing changes no eager loss
+    # (bitwise: test_plan's AC runs), so an AC row's reference is its layout's run without it.
+    eager, _ = layout_run(train_once, layout, precision, [] if mode == AC_FULL else mode)
     world, args = LAYOUTS[layout]
     (tmp_path / "val.txt").write_text(validation_text())  # (evaluations after steps 3 and 6, as the eager run's)
     validate = [*VALIDATE, *TASK, "--data.val_path", str(tmp_path / "val.txt")] if layout in EVALUATED else []
