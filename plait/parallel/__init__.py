@@ -102,13 +102,13 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig, precision:
     return model
 
 
-def compiled_forward(forward, fullgraph: bool = True):
+def compiled_forward(forward):
     """`forward` compiled, taking its input waited on. Under TP the embedding hands the first
     block its output as an AsyncCollectiveTensor (its all-reduce not yet waited on), and a
     compiled graph given one returns no gradient for it: the embedding trained on zeros (torch
     2.13, fp32 and bf16, with or without SP). `wait_tensor` is differentiable and copies nothing.
     One graph (`fullgraph`: a break is an error)."""
-    compiled = torch.compile(forward, fullgraph=fullgraph)
+    compiled = torch.compile(forward, fullgraph=True)
 
     def waited(x, *args, **kwargs):
         if isinstance(x, AsyncCollectiveTensor):

@@ -84,8 +84,7 @@ class DispatchedExperts:
     out as without ep; in between, each rank runs its own experts on every token sent to them."""
 
     def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup, compiled: bool = False):
-        self.experts, self.group = [experts], group  # (a list: not a submodule)
-        # (the tokens a rank receives vary by step: their count is a dynamic size of the graph)
+        self.experts, self.group, self.compiled = [experts], group, compiled  # (a list: not a submodule)
         self.local_experts = torch.compile(local_experts, fullgraph=True) if compiled else local_experts
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -97,11 +96,13 @@ class DispatchedExperts:
             received = received.view(ep, local)
         send, receive = counts.view(ep, local).sum(1).tolist(), received.sum(1).tolist()
         tokens = all_to_all_single_autograd(x, receive, send, self.group)
-        if self.local_experts is not local_experts:
+        if self.compiled:
             # Waited on here, not inside the graph, where a checkpoint's forward would not see the
-            # wait that its recomputation (eager, at the first use) does.
+            # wait that its recomputation (eager, at the first use) does. The count of tokens a
+            # rank receives varies by step: a dynamic size of the graph (but 0 or 1 tokens, which
+            # dynamo compiles apart, as a recompile).
             tokens = wait_tensor(tokens)
-            torch._dynamo.mark_dynamic(tokens, 0)
+            torch._dynamo.maybe_mark_dynamic(tokens, 0)
         weights = [ScaleGradient.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3,
                                                                        *experts.biases())]
         out = self.local_experts(tokens, received, weights, experts.limit, experts.alpha)
