@@ -14,8 +14,9 @@ from plait.config import JobConfig, dp_degree
 from plait.models.args import ModelArgs
 from plait.parallel.activation_checkpoint import checkpointed_blocks
 from plait.plan.features import latent_gather, sequence_aux, ulysses_degree, ulysses_kv_heads, window_tail_keys
-from plait.plan.parameters import (COLWISE, ROWWISE, Layout, block_indices, gathered_elements, holds_output,
-                                   local_rows_cols, plan_name, rank_parameters, rank_stages, units)
+from plait.plan.parameters import (COLWISE, ROWWISE, Layout, block_indices, gathered_bytes, gathered_elements,
+                                   holds_output, local_rows_cols, plan_name, rank_parameters, rank_stages,
+                                   shard_elements, units)
 
 LATENT = re.compile(r"attention\.(wq_a|q_a_norm|wkv_a|kv_a_norm)\.")  # whole on every TP rank
 
@@ -50,10 +51,9 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         # Under float8 all-gather the converted weights travel as one byte per element, with
         # scales computed after each optimizer step: one all-reduce of every weight's amax (an
         # fp32 scalar each) for the step's gathers.
-        eight = {plan_name(f"{name}.weight", args) for name, why in float8.layer_plan(args, p.tp).items()
-                 if not why} if float8.fsdp_all_gather(cfg) else set()
-        gathered = {u: sum(gathered_elements({n: s}, layout) * (1 if n in eight else gather) for n, s in unit.items())
-                    for u, unit in grouped.items()}
+        eight = frozenset(plan_name(f"{name}.weight", args) for name, why in float8.layer_plan(args, p.tp).items()
+                          if not why) if float8.fsdp_all_gather(cfg) else frozenset()
+        gathered = {u: gathered_bytes(unit, layout, eight, gather) for u, unit in grouped.items()}
         out["optimizer", "all_reduce", "dp_shard"] += 4 * len(eight & set(params))
         # Every micro-batch gathers every unit in forward and, for blocks resharded after forward
         # (all but the last), again in backward; a pipeline stage keeps its units gathered for
@@ -65,8 +65,7 @@ def collectives(args: ModelArgs, cfg: JobConfig, stages: list[int] | None, e: in
         out["backward", "all_gather", "dp_shard"] += times * sum(gathered[u] for u in again)
         out["backward", "reduce_scatter", "dp_shard"] += reduce * sum(sizes.values())
     if p.dp_replicate > 1:  # the shard's gradients, all-reduced over the replicas
-        out["backward", "all_reduce", "dp_replicate"] += reduce * sum(
-            math.ceil(rows / layout.shard) * cols for rows, cols in (local_rows_cols(n, s, layout) for n, s in params.items()))
+        out["backward", "all_reduce", "dp_replicate"] += reduce * shard_elements(params, layout)
     ac = cfg.activation_checkpoint
     checkpointed = set(checkpointed_blocks(args.n_layers, ac.mode, ac.every))
     recomputed = len(checkpointed & block_indices(blocks))

@@ -145,13 +145,31 @@ def state_bytes(params: dict[str, tuple[int, ...]], layout: Layout, optimizer: s
     """fp32 parameter + fp32 gradient + AdamW exp_avg and exp_avg_sq, per element; and AdamW's
     step counter (a float32 scalar tensor) per parameter. Under Muon its matrices hold one
     momentum instead of the two moments (plait/optim/optimizers.py); training.ema adds one fp32
-    copy in the parameters' sharding (plait/ema.py)."""
+    copy in the parameters' sharding (plait/ema.py). (Cached as `units` is.)"""
+    return parameters_state_bytes(tuple(params.items()), layout, optimizer, ema)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def parameters_state_bytes(params: tuple[tuple[str, tuple[int, ...]], ...], layout: Layout, optimizer: str,
+                           ema: bool) -> int:
     total = 0
-    for name, shape in params.items():
+    for name, shape in params:
         rows, cols = local_rows_cols(name, shape, layout)
         muon = optimizer == "muon" and uses_muon(name, torch.empty(shape, device="meta"))
         total += math.ceil(rows / layout.shard) * cols * ((12 if muon else 16) + 4 * ema) + 4
     return total
+
+
+def shard_elements(params: dict[str, tuple[int, ...]], layout: Layout) -> int:
+    """Elements of rank 0's shards of these parameters: TP's split, then FSDP's dim-0 chunk.
+    (Cached as `units` is.)"""
+    return parameters_shard_elements(tuple(params.items()), layout)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def parameters_shard_elements(params: tuple[tuple[str, tuple[int, ...]], ...], layout: Layout) -> int:
+    return sum(math.ceil(rows / layout.shard) * cols
+               for rows, cols in (local_rows_cols(name, shape, layout) for name, shape in params))
 
 
 def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
@@ -162,11 +180,27 @@ def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
 
 @functools.lru_cache(maxsize=1 << 16)
 def gathered_unit_elements(unit: tuple[tuple[str, tuple[int, ...]], ...], layout: Layout) -> int:
-    total = 0
-    for name, shape in unit:
-        rows, cols = local_rows_cols(name, shape, layout)
-        degree = layout.shard
-        if layout.ep > 1 and ".experts." in name:  # experts (E, ...): E / ep here, sharded over dp_shard x cp / ep
-            rows, degree = rows // layout.ep, max(1, layout.shard // layout.ep)
-        total += math.ceil(rows / degree) * degree * cols
-    return total
+    return sum(gathered_parameter_elements(name, shape, layout) for name, shape in unit)
+
+
+def gathered_bytes(unit: dict[str, tuple[int, ...]], layout: Layout, one_byte: frozenset[str], others: int) -> int:
+    """Bytes of a unit's FSDP all-gather: the `one_byte` parameters' elements (float8's) one byte
+    each, the others' `others` bytes. (Cached as `units` is.)"""
+    return gathered_unit_bytes(tuple(unit.items()), layout, one_byte, others)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def gathered_unit_bytes(unit: tuple[tuple[str, tuple[int, ...]], ...], layout: Layout, one_byte: frozenset[str],
+                        others: int) -> int:
+    return sum(gathered_parameter_elements(name, shape, layout) * (1 if name in one_byte else others)
+               for name, shape in unit)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def gathered_parameter_elements(name: str, shape: tuple[int, ...], layout: Layout) -> int:
+    """One parameter's share of its unit's all-gather (`gathered_elements`)."""
+    rows, cols = local_rows_cols(name, shape, layout)
+    degree = layout.shard
+    if layout.ep > 1 and ".experts." in name:  # experts (E, ...): E / ep here, sharded over dp_shard x cp / ep
+        rows, degree = rows // layout.ep, max(1, layout.shard // layout.ep)
+    return math.ceil(rows / degree) * degree * cols

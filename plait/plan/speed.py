@@ -39,7 +39,7 @@ from plait.plan.timing import timed
 from plait.plan.features import latent_gather, masked, ulysses_degree
 from plait.plan.memory import block_activation_bytes
 from plait.plan.parameters import (Layout, block_indices, gathered_elements, holds_output, local_rows_cols,
-                                   parameter_shapes, plan_name, rank_parameters, stage_blocks, units)
+                                   parameter_shapes, plan_name, rank_parameters, shard_elements, stage_blocks, units)
 
 CRITICAL = ("tp", "pp", "cp", "ep")
 ELEMENTWISE_PASSES = 3  # saved activations: written in forward, read in backward, their gradients written
@@ -63,8 +63,9 @@ def share(cfg: JobConfig, world: int, node_size: int, cal: Calibration) -> float
     return cpu_share(cfg.training.threads, min(world, node_size), cal.cores)
 
 
+@functools.lru_cache(maxsize=4096)  # (plan asks it of every layout it weighs, mostly the same)
 def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: int, causal: bool,
-                  latent_cp: int = 1) -> list[tuple[float, str]]:
+                  latent_cp: int = 1) -> tuple[tuple[float, str], ...]:
     """(FLOPs, weight name) of each matmul of one block's forward on a rank (backward runs two of
     each; attention's have no weight: ""), for `tokens` of sequences of `seq_len` (their keys);
     latent attention's wkv_b on `latent_cp` x `tokens` (the whole sequence's latents under
@@ -80,7 +81,7 @@ def block_matmuls(args: ModelArgs, block: int, tokens: int, seq_len: int, tp: in
             rows, cols = local_rows_cols(name, shape, layout)
             calls.append((2.0 * tokens * rows * cols * (latent_cp if name.endswith("attention.wkv_b.weight") else 1),
                           name))
-    return calls + [(flops, "") for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal)]
+    return tuple(calls + [(flops, "") for flops in attention_matmuls(args, block, tokens, seq_len, tp, causal)])
 
 
 @functools.cache
@@ -124,10 +125,13 @@ def block_seconds(args: ModelArgs, block: int, tokens: int, seq_len: int, e: int
     written once in float8, and its transposed copy for backward written and read (2e + 3 bytes)."""
     dtype = dtype_name(e)
     passes = 3 + recompute
-    matmuls, quantised = 0.0, 0
+    matmuls, quantised, rates = 0.0, 0, {}
     for flops, weight in block_matmuls(args, block, tokens, seq_len, tp, causal, cp if latent_gather else 1):
         converted = weight in eight
-        matmuls += passes * flops / cal.rate("float8" if converted and "float8" in cal.matmul else dtype, flops, cores)
+        kind = "float8" if converted and "float8" in cal.matmul else dtype
+        if (kind, flops) not in rates:  # (an MoE block's experts: hundreds of matmuls of one size)
+            rates[kind, flops] = cal.rate(kind, flops, cores)
+        matmuls += passes * flops / rates[kind, flops]
         quantised += quantised_elements(args, weight, tokens, tp) if converted else 0
     if is_masked:
         matmuls += sum(flops / cal.rate(dtype, flops, cores)
@@ -215,7 +219,7 @@ def optimizer_seconds(args: ModelArgs, cfg: JobConfig, params: dict, e: int, cal
     """AdamW's (or Muon's) step of a rank's shards; offloaded, by its share of the node's host (`ranks_here`)."""
     p = cfg.parallelism
     layout = Layout(p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
-    elements = sum(math.ceil(r / layout.shard) * c for r, c in (local_rows_cols(n, s, layout) for n, s in params.items()))
+    elements = shard_elements(params, layout)
     if cfg.training.offload != "none":  # the host clips and steps its shards (AdamW alone: start-up refuses Muon)
         return elements * ranks_here / cal.host_step
     # (it streams through every state tensor in turn: the speed of the whole state's size, not one tensor's)
