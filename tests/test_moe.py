@@ -12,7 +12,7 @@ from plait.cli import main
 from plait.models.transformer import Transformer, num_params
 from plait.models.flavors import model_args
 from plait.models.moe import AuxLoss, Router, swiglu_experts
-from plait.parallel.expert_parallel import regroup
+from plait.parallel.expert_parallel import dynamic_rows, local_experts, regroup
 from plait.proof.trace import summarise
 from plait.models.flavors import FLAVORS
 
@@ -295,3 +295,26 @@ def test_an_ep_checkpoint_resumes_bitwise_and_under_another_layout(tmp_path):
     single, _ = run_plait(tmp_path, *args, "--training.micro_batch_size", "2", "--checkpoint.folder",
                           str(tmp_path / "single"))
     assert max_abs_diff(losses(single), losses(full)[3:]) <= 1e-6
+
+
+def test_the_compiled_experts_of_a_rank_take_any_count_of_tokens_it_receives():
+    """Under ep with compile.enable a rank's experts run as one graph whose token count is
+    dynamic: a step where the rank receives no token, or one, compiles those apart (dynamo
+    specializes 0 and 1), and every count computes what eager does (assert_close's fp32
+    bounds: the compiled backward fuses; measured 7.6e-6 at most on gradients up to 136)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(4, 16, 8, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True),
+               torch.randn(4, 16, 8, requires_grad=True)]
+    compiled = torch.compile(local_experts, fullgraph=True)
+    for received in ([[3, 1, 0, 2], [1, 0, 2, 1]], [[0] * 4] * 2, [[0, 1, 0, 0], [0] * 4], [[2, 2, 1, 0], [0, 3, 1, 1]]):
+        received = torch.tensor(received)
+        tokens = torch.randn(int(received.sum()), 8)
+        outputs, grads = [], []
+        for run in (local_experts, compiled):
+            x = dynamic_rows(tokens.clone().requires_grad_())
+            out = run(x, received, weights, 0.0, 1.702)
+            out.sum().backward()
+            outputs.append(out)
+            grads.append(x.grad)
+        torch.testing.assert_close(outputs[1], outputs[0])
+        torch.testing.assert_close(grads[1], grads[0])

@@ -98,15 +98,20 @@ class DispatchedExperts:
         tokens = all_to_all_single_autograd(x, receive, send, self.group)
         if self.compiled:
             # Waited on here, not inside the graph, where a checkpoint's forward would not see the
-            # wait that its recomputation (eager, at the first use) does. The count of tokens a
-            # rank receives varies by step: a dynamic size of the graph (but 0 or 1 tokens, which
-            # dynamo compiles apart, as a recompile).
-            tokens = wait_tensor(tokens)
-            torch._dynamo.maybe_mark_dynamic(tokens, 0)
+            # wait that its recomputation (eager, at the first use) does.
+            tokens = dynamic_rows(wait_tensor(tokens))
         weights = [ScaleGradient.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3,
                                                                        *experts.biases())]
         out = self.local_experts(tokens, received, weights, experts.limit, experts.alpha)
         return all_to_all_single_autograd(out, send, receive, self.group)
+
+
+def dynamic_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens`, their count a dynamic size of the compiled experts' graph: the count a rank
+    receives varies by step. (0 or 1 tokens, which dynamo specializes, compile apart: a recompile
+    in the rare step where a rank receives so few.)"""
+    torch._dynamo.maybe_mark_dynamic(tokens, 0)
+    return tokens
 
 
 def local_experts(tokens: torch.Tensor, received: torch.Tensor, weights: list[torch.Tensor], limit: float,
