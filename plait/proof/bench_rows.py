@@ -32,8 +32,9 @@ ENVIRONMENT = {"fsdp2_untracked": {"TORCH_FR_BUFFER_SIZE": "0"}}
 PREDICTED = ("single", "ddp", "fsdp2", "fsdp2_ac_selective", "fsdp2_ac_full", "tp", "ddp_tp", "fsdp2_tp", "pp",
              "pp_fsdp2", "cp", "ep", "dense_twin", "attention_twin", "no_mtp", "single_muon", "fsdp2_muon",
              "single_float8", "fsdp2_float8", "single_offload", "fsdp2_offload")
-# Rows `--compile` measures compiled as well (each block compiled, in plait and in the loops alike).
-COMPILABLE = ("raw_pytorch", "transformers", "single", "raw_fsdp2", "fsdp2")
+# Rows `--compile` measures compiled as well (each block compiled, in plait and in the loops alike; under
+# ep, a mixture of experts by regions: plait/parallel/__init__.py).
+COMPILABLE = ("raw_pytorch", "transformers", "single", "raw_fsdp2", "fsdp2", "ep")
 
 
 def layouts(nproc: int) -> dict[str, tuple[str, int, list[str]]]:
