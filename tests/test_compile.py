@@ -51,7 +51,7 @@ EVALUATED = ("single", "pp", "tp", "cp")
     # AsyncCollectiveTensor, which left the embedding without gradient (5.1e-3 after 6 steps,
     # grad norm 0.4% low from step 1) until the block waited on it: measured 4.8e-7
     ("tp", [], [], 1e-6),
-    # activation checkpointing inside the compiled blocks (eager side: test_plan's AC run)
+    # activation checkpointing inside the compiled blocks (eager side: the run without AC, bitwise the same)
     ("fsdp2", [], AC_FULL, 1e-6),
     # CP2: the K/V all-gather (functional collectives) and the query blocks inside the graph: measured bitwise
     ("cp", [], [], 1e-6),
