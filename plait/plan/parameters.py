@@ -175,12 +175,7 @@ def parameters_shard_elements(params: tuple[tuple[str, tuple[int, ...]], ...], l
 def gathered_elements(unit: dict[str, tuple[int, ...]], layout: Layout) -> int:
     """Elements of a unit's FSDP all-gather: every parameter's TP piece (an expert tensor's ep
     piece), rows padded to a multiple of the shard degree. (Cached as `units` is.)"""
-    return gathered_unit_elements(tuple(unit.items()), layout)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def gathered_unit_elements(unit: tuple[tuple[str, tuple[int, ...]], ...], layout: Layout) -> int:
-    return sum(gathered_parameter_elements(name, shape, layout) for name, shape in unit)
+    return gathered_bytes(unit, layout, frozenset(), 1)
 
 
 def gathered_bytes(unit: dict[str, tuple[int, ...]], layout: Layout, one_byte: frozenset[str], others: int) -> int:
